@@ -1,0 +1,276 @@
+"""A compact Llama/Qwen2 runtime built for speculative decoding.
+
+It owns a static KV cache (batch 1) and offers what the engine and the drafters need:
+prefill, scoring a draft tree in one pass (tree mask + per-node positions), committing the accepted
+path (compacting the cache), the K/V of every layer and the hidden states of chosen layers.
+transformers stays the loader of record for tokenizer and chat template, and the test oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from moaspec.errors import ContextLengthError, UserError
+from moaspec.models.linear import WEIGHT_MODES, Linear, WeightMode
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_eps: float
+    max_position: int
+    tie_embeddings: bool
+    model_type: str
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelConfig:
+        c = json.loads((Path(folder) / "config.json").read_text())
+        if c.get("model_type") not in ("llama", "qwen2"):
+            raise UserError(f"unsupported architecture {c.get('model_type')!r}: this runtime runs llama and qwen2")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise UserError(f"unsupported RoPE scaling {rope.get('rope_type')!r}")
+        eos = c.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        gen = Path(folder) / "generation_config.json"
+        if gen.exists():
+            g = json.loads(gen.read_text()).get("eos_token_id")
+            eos += tuple(x for x in (g if isinstance(g, list) else [g]) if x is not None and x not in eos)
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads", heads),
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            max_position=int(c.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            model_type=c["model_type"],
+            eos_token_ids=eos,
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(cfg: ModelConfig, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim))
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, n, d]; cos/sin: [n, d] (HF's rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Layer:
+    """One decoder layer's weights; the math lives in `Transformer.layer_forward`."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, mode: WeightMode):
+        def lin(name: str, bias: bool = False) -> Linear:
+            b = w.get(f"{prefix}.{name}.bias") if bias else None
+            return Linear(w[f"{prefix}.{name}.weight"], b, mode)
+
+        self.q = lin("self_attn.q_proj", True)
+        self.k = lin("self_attn.k_proj", True)
+        self.v = lin("self_attn.v_proj", True)
+        self.o = lin("self_attn.o_proj")
+        self.gate = lin("mlp.gate_proj")
+        self.up = lin("mlp.up_proj")
+        self.down = lin("mlp.down_proj")
+        self.ln1 = w[f"{prefix}.input_layernorm.weight"].float()
+        self.ln2 = w[f"{prefix}.post_attention_layernorm.weight"].float()
+
+
+@dataclass
+class ForwardOut:
+    logits: torch.Tensor | None  # [n_rows_asked, vocab]
+    hidden: dict[int, torch.Tensor]  # layer index -> input of that layer [n, D]; num_layers -> final normed
+
+
+class Transformer:
+    """Llama/Qwen2 decoder with a static batch-1 KV cache.
+
+    Cache slots [0, length) hold committed tokens. `forward` writes new K/V at slots
+    [length, length + n) and attends to [0, length + n) under an optional mask; nothing is committed
+    until `commit`/`advance`, so a tree pass can be thrown away or compacted to its accepted path.
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        weights: WeightMode = "fp32",
+        device: str | torch.device = "cpu",
+        max_seq_len: int = 4096,
+    ):
+        if weights not in WEIGHT_MODES:
+            raise UserError(f"unknown weight mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
+        self.folder = Path(folder)
+        self.cfg = cfg = ModelConfig.from_folder(self.folder)
+        self.device = torch.device(device)
+        self.weights = weights
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"no *.safetensors in {self.folder}")
+        w: dict[str, torch.Tensor] = {}
+        for f in files:
+            w.update(load_file(str(f), device=str(self.device)))
+        self.embed = w["model.embed_tokens.weight"].float()
+        self.layers = [Layer(w, f"model.layers.{i}", weights) for i in range(cfg.num_layers)]
+        self.norm = w["model.norm.weight"].float()
+        head = w.get("lm_head.weight", self.embed) if not cfg.tie_embeddings else self.embed
+        self.lm_head_weight = head  # kept fp32 for drafters that share the frozen head
+        self.lm_head = Linear(head, None, weights)
+        del w
+        self.max_seq_len = min(max_seq_len, cfg.max_position)
+        self.cos, self.sin = rope_tables(cfg, self.max_seq_len, self.device)
+        shape = (cfg.num_layers, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device)
+        self.v_cache = torch.zeros(shape, device=self.device)
+        self.length = 0
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    # ---------------------------------------------------------------- core
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        logits_rows: slice | torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+        embeds: torch.Tensor | None = None,
+    ) -> ForwardOut:
+        """Run n new tokens after the committed prefix.
+
+        tokens: [n] ids; positions: [n] absolute RoPE positions (default length..length+n-1);
+        tree_mask: [n, n] bool, True where new row i may see new column j (default causal);
+        logits_rows: which rows get LM-head logits (default all); hidden_layers: layer indices whose
+        *input* hidden states to return (num_layers means the final normed state).
+        """
+        n = tokens.shape[0] if embeds is None else embeds.shape[0]
+        start = self.length
+        if start + n > self.max_seq_len:
+            raise ContextLengthError(f"context full: {start} + {n} tokens exceed the {self.max_seq_len}-token cache")
+        if positions is None:
+            positions = torch.arange(start, start + n, device=self.device)
+        cos, sin = self.cos[positions], self.sin[positions]
+        mask = None
+        if n > 1:
+            new = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), new.to(self.device)], 1)
+        x = self.embed[tokens] if embeds is None else embeds
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in hidden_layers:
+                hidden[i] = x
+            x = self.layer_forward(i, layer, x, cos, sin, mask, start)
+        x = rms_norm(x, self.norm, self.cfg.rms_eps)
+        if self.cfg.num_layers in hidden_layers:
+            hidden[self.cfg.num_layers] = x
+        rows = x if logits_rows is None else x[logits_rows]
+        logits = self.lm_head(rows.contiguous()) if rows.shape[0] else None
+        return ForwardOut(logits, hidden)
+
+    def layer_forward(
+        self,
+        i: int,
+        layer: Layer,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        start: int,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        n = x.shape[0]
+        h = rms_norm(x, layer.ln1, cfg.rms_eps)
+        q = layer.q(h).view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        k = layer.k(h).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = layer.v(h).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        end = start + n
+        self.k_cache[i, :, start:end] = k
+        self.v_cache[i, :, start:end] = v
+        att = F.scaled_dot_product_attention(
+            q[None], self.k_cache[i, None, :, :end], self.v_cache[i, None, :, :end],
+            attn_mask=mask, scale=self.scale, enable_gqa=True,
+        )[0]
+        x = x + layer.o(att.transpose(0, 1).reshape(n, -1))
+        h = rms_norm(x, layer.ln2, cfg.rms_eps).contiguous()
+        return x + layer.down((F.silu(layer.gate(h)) * layer.up(h)).contiguous())
+
+    # ---------------------------------------------------------------- cache
+    def advance(self, n: int) -> None:
+        """Keep the last forward's n rows as committed (a plain, in-order pass)."""
+        self.length += n
+
+    def commit(self, rows: list[int] | torch.Tensor) -> None:
+        """Keep rows (indices into the last forward's new tokens, in path order) and drop the rest."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        n = rows.shape[0]
+        if n and not torch.equal(rows, torch.arange(n, device=self.device)):
+            src = self.length + rows
+            self.k_cache[:, :, self.length:self.length + n] = self.k_cache[:, :, src]
+            self.v_cache[:, :, self.length:self.length + n] = self.v_cache[:, :, src]
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        """Roll the committed prefix back to `length` tokens."""
+        if not 0 <= length <= self.length:
+            raise UserError(f"cannot truncate a {self.length}-token cache to {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def kv(self, positions: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (after RoPE) and V of every layer for cache slots: each [L, Hkv, n, d]."""
+        return self.k_cache[:, :, positions], self.v_cache[:, :, positions]
+
+    # ---------------------------------------------------------------- helpers
+    def prefill(self, tokens: list[int] | torch.Tensor, hidden_layers: tuple[int, ...] = (),
+                chunk: int = 512) -> ForwardOut:
+        """Append a prompt (in chunks, to bound attention memory) and return the last row's logits."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        outs: list[ForwardOut] = []
+        for s in range(0, tokens.shape[0], chunk):
+            piece = tokens[s:s + chunk]
+            last = s + chunk >= tokens.shape[0]
+            out = self.forward(piece, logits_rows=slice(-1, None) if last else slice(0, 0),
+                               hidden_layers=hidden_layers)
+            self.advance(piece.shape[0])
+            outs.append(out)
+        hidden = {k: torch.cat([o.hidden[k] for o in outs]) for k in outs[-1].hidden}
+        return ForwardOut(outs[-1].logits, hidden)
+
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in (self.embed, self.norm)) + sum(
+            lin.in_features * lin.out_features
+            for layer in self.layers
+            for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
+        )
