@@ -168,7 +168,8 @@ class Transformer:
         """Run n new tokens after the committed prefix.
 
         tokens: [n] ids; positions: [n] absolute RoPE positions (default length..length+n-1);
-        tree_mask: [n, n] bool, True where new row i may see new column j (default causal);
+        tree_mask: [n, m] bool (m >= n) over the last m cache slots, i.e. tentative slots written by
+        earlier passes and then these n rows; True where row i may attend (default causal [n, n]);
         logits_rows: which rows get LM-head logits (default all); hidden_layers: layer indices whose
         *input* hidden states to return (num_layers means the final normed state).
         """
@@ -180,9 +181,10 @@ class Transformer:
             positions = torch.arange(start, start + n, device=self.device)
         cos, sin = self.cos[positions], self.sin[positions]
         mask = None
-        if n > 1:
+        if n > 1 or tree_mask is not None:
             new = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=self.device), new.to(self.device)], 1)
+            seen = torch.ones(n, start + n - new.shape[1], dtype=torch.bool, device=self.device)
+            mask = torch.cat([seen, new.to(self.device)], 1)
         x = self.embed[tokens] if embeds is None else embeds
         hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from moaspec.errors import UserError
+
 __all__ = [
     "DEFAULT_MODEL",
     "MODELS",
@@ -62,7 +64,7 @@ _SMOLLM_PRE_TOKENIZER = {
 }
 
 
-class ModelStoreError(Exception):
+class ModelStoreError(UserError):
     """User-facing error: the message says what is wrong and how to fix it."""
 
 

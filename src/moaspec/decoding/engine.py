@@ -1,0 +1,143 @@
+"""The speculative decoding loop: propose, verify, observe; plain decoding is the empty drafter.
+
+The engine does not know which drafter runs or whether the target is remote.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.target import TargetSide
+from moaspec.decoding.tree import Tree, TreeConfig
+from moaspec.drafters.base import Drafter
+from moaspec.errors import ContextLengthError, UserError
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+
+
+@dataclass
+class Metrics:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per target call
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def target_calls(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: new tokens over the time after prefill."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "target_calls": self.target_calls,
+            "tau": round(self.tau, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "prefill_s": round(self.prefill_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "total_s": round(self.total_s, 4),
+        }
+
+
+@dataclass
+class Chunk:
+    tokens: list[int]  # token ids emitted by this round (after stop handling)
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
+
+
+class Engine:
+    def __init__(self, target: TargetSide, drafter: Drafter | None = None, tree: TreeConfig | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.tree = tree or TreeConfig()
+        self.metrics = Metrics()
+
+    def check(self, prompt: list[int], cfg: GenerationConfig) -> None:
+        if not prompt:
+            raise UserError("the prompt is empty")
+        limit = self.target.max_seq_len
+        if len(prompt) + cfg.max_new_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the context of "
+                f"{limit} tokens; shorten the prompt or lower --max-new-tokens to {max(0, limit - len(prompt))}"
+            )
+
+    def stream(self, prompt: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
+        """Yield the tokens of each round as they are verified. Stop strings are the caller's job
+        (they need text); EOS and max_new_tokens are handled here. `self.metrics` fills as it runs."""
+        self.check(prompt, cfg)
+        m = self.metrics = Metrics(prompt_tokens=len(prompt))
+        eos = () if cfg.ignore_eos else self.target.eos_token_ids
+        t0 = time.perf_counter()
+        step = self.target.start(prompt, cfg.sampling)
+        m.prefill_s = time.perf_counter() - t0
+        if self.drafter is not None:
+            self.drafter.begin(prompt, step.context)
+        new = step.verdict.new_tokens
+        root = new[-1]
+        while True:
+            room = cfg.max_new_tokens - m.new_tokens
+            cut = next((i for i, t in enumerate(new) if t in eos), None)
+            if cut is not None or len(new) >= room:
+                n = min(room, len(new) if cut is None else cut)
+                m.new_tokens += n
+                m.total_s = time.perf_counter() - t0
+                yield Chunk(new[:n], "stop" if cut is not None and cut < room else "length")
+                return
+            m.new_tokens += len(new)
+            m.total_s = time.perf_counter() - t0
+            yield Chunk(new)
+
+            t1 = time.perf_counter()
+            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens)
+            t2 = time.perf_counter()
+            step = self.target.verify(tree)
+            t3 = time.perf_counter()
+            v = step.verdict
+            if self.drafter is not None:
+                self.drafter.observe([root, *v.accepted], step.context)
+            m.draft_s += t2 - t1 + time.perf_counter() - t3
+            m.verify_s += t3 - t2
+            m.accept_lengths.append(len(v.accepted) + 1)
+            new = v.new_tokens
+            root = v.bonus
+
+    def _propose(self, root: int, remaining: int) -> Tree:
+        # A draft deeper than the tokens still wanted, or than the cache holds, is wasted work.
+        room = min(remaining - 1, self.target.max_seq_len - self.target.length - 1)
+        if self.drafter is None or room <= 0:
+            return Tree.chain(root)
+        cfg = self.tree
+        if room < cfg.total_tokens or room < cfg.depth:
+            cfg = replace(cfg, depth=min(cfg.depth, room), total_tokens=min(cfg.total_tokens, room))
+        return self.drafter.propose(root, cfg)

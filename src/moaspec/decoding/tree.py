@@ -1,0 +1,140 @@
+"""Draft trees as plain data, and EAGLE-2's dynamic expansion.
+
+Node 0 is the root: the last emitted token, not yet in the target's cache. Every other node is a
+drafted token whose parent index is smaller than its own, so parents come before children and one
+target pass can score the whole tree with an ancestor mask and depth-based positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moaspec.errors import UserError
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """EAGLE-2 tree shape: `depth` draft steps, `topk` children per expanded node, and `total_tokens`
+    draft nodes kept after reranking (the pass scores `total_tokens + 1` rows with the root).
+    CPU default is small (CPU.md: verifying many tokens is compute-bound); the paper's GPU
+    default is depth 6, top-k 8, 62 tokens."""
+
+    depth: int = 4
+    topk: int = 4
+    total_tokens: int = 6
+
+    def __post_init__(self) -> None:
+        if self.depth < 0 or self.topk < 1 or self.total_tokens < 0:
+            raise UserError(f"invalid tree shape {self}: depth >= 0, topk >= 1, total_tokens >= 0")
+
+
+@dataclass
+class Tree:
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float] = field(default_factory=list)  # cumulative draft log-prob; root 0
+
+    def __post_init__(self) -> None:
+        if not self.scores:
+            self.scores = [0.0] * len(self.tokens)
+        self.depths = [0] * len(self.tokens)
+        self.children: list[list[int]] = [[] for _ in self.tokens]
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"tree node {i} has parent {p}: parents must come before children")
+            self.depths[i] = self.depths[p] + 1
+            self.children[p].append(i)
+
+    @classmethod
+    def chain(cls, root: int, drafts: list[int] = ()) -> Tree:
+        return cls([root, *drafts], [-1, *range(len(drafts))])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def mask(self) -> torch.Tensor:
+        """[n, n] bool: True where node i may attend to node j (j is i or one of its ancestors)."""
+        n = len(self)
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            m[i, i] = True
+            if i:
+                m[i] |= m[self.parents[i]]
+        return m
+
+    def positions(self, start: int) -> torch.Tensor:
+        return start + torch.tensor(self.depths, dtype=torch.long)
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+# logprobs over the drafter's vocabulary for the next token after each node of `frontier`
+ExpandFn = Callable[[Tree, list[int]], torch.Tensor]
+
+
+def grow_tree(
+    root: int,
+    root_logprobs: torch.Tensor,
+    expand: ExpandFn,
+    cfg: TreeConfig,
+    vocab: torch.Tensor | None = None,
+) -> Tree:
+    """EAGLE-2 dynamic tree (PAPER.md section 5).
+
+    Step 1 takes the top-k children of the root; each further step expands the k frontier nodes with
+    top-k children each, scores them by cumulative log-prob and keeps the best k as the new frontier.
+    All candidates are then reranked and the best `total_tokens` kept. `vocab` maps the drafter's
+    (possibly trimmed) vocabulary indices to target token ids.
+    """
+    tokens, parents, scores = [root], [-1], [0.0]
+    if cfg.depth == 0 or cfg.total_tokens == 0:
+        return Tree(tokens, parents, scores)
+
+    def add(parent_nodes: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[int]:
+        first = len(tokens)
+        mapped = ids if vocab is None else vocab[ids]
+        tokens.extend(mapped.tolist())
+        parents.extend(parent_nodes.tolist())
+        scores.extend(values.tolist())
+        return list(range(first, len(tokens)))
+
+    k = min(cfg.topk, root_logprobs.shape[-1])
+    top = root_logprobs.float().topk(k)
+    frontier = add(torch.zeros(k, dtype=torch.long), top.indices, top.values)
+    for _ in range(1, cfg.depth):
+        lp = expand(Tree(list(tokens), list(parents), list(scores)), frontier).float()  # [f, V]
+        base = torch.tensor([scores[i] for i in frontier])
+        child = lp.topk(k, dim=-1)
+        cum = (base[:, None] + child.values).flatten()
+        owner = torch.tensor(frontier).repeat_interleave(k)
+        new = add(owner, child.indices.flatten(), cum)
+        best = cum.topk(min(k, cum.numel())).indices
+        frontier = [new[i] for i in best.tolist()]
+
+    # Rerank: cumulative log-probs only fall along a path, so the top set is closed under ancestors
+    # up to ties; add any missing ancestor explicitly so the tree stays valid.
+    order = sorted(range(1, len(tokens)), key=lambda i: -scores[i])[: cfg.total_tokens]
+    keep = set(order)
+    for i in order:
+        p = parents[i]
+        while p > 0 and p not in keep:
+            keep.add(p)
+            p = parents[p]
+    depth = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        depth[i] = depth[parents[i]] + 1
+    kept = sorted(keep, key=lambda i: (depth[i], -scores[i], i))
+    index = {0: 0, **{old: new for new, old in enumerate(kept, start=1)}}
+    return Tree(
+        [root] + [tokens[i] for i in kept],
+        [-1] + [index[parents[i]] for i in kept],
+        [0.0] + [scores[i] for i in kept],
+    )

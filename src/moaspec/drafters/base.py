@@ -1,0 +1,23 @@
+"""The one protocol every drafter implements; the engine knows nothing else about drafters."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from moaspec.decoding.target import ContextEncoder
+from moaspec.decoding.tree import Tree, TreeConfig
+
+
+class Drafter(Protocol):
+    name: str
+    # Target-side half of the drafter (MoA's context encoder); None when it needs only token ids.
+    encoder: ContextEncoder | None
+
+    def begin(self, prompt: list[int], context: Any) -> None:
+        """A new generation: `prompt` is now in the target's cache."""
+
+    def observe(self, tokens: list[int], context: Any) -> None:
+        """`tokens` (the last root + the accepted drafts) were committed to the target's cache."""
+
+    def propose(self, root: int, cfg: TreeConfig) -> Tree:
+        """A draft tree rooted at `root`, the last emitted token."""

@@ -1,0 +1,63 @@
+"""Classic speculative decoding: a smaller LM with the same tokenizer drafts the tree.
+
+The draft model keeps its own KV cache of the committed context. Each proposal runs the tokens
+committed since the last round plus the root in one pass, then expands the EAGLE-2 tree one level
+per pass with a tree mask over the tentative nodes, and finally drops them again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
+from moaspec.models.runtime import Transformer
+
+
+class DraftModelDrafter:
+    name = "model"
+    encoder = None
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.context: list[int] = []
+
+    def begin(self, prompt: list[int], context: Any = None) -> None:
+        self.model.reset()
+        self.context = list(prompt)
+
+    def observe(self, tokens: list[int], context: Any = None) -> None:
+        self.context.extend(tokens)
+
+    def propose(self, root: int, cfg: TreeConfig) -> Tree:
+        m = self.model
+        pending = self.context[m.length:]
+        if m.length + len(pending) + 1 + cfg.depth * cfg.topk > m.max_seq_len:
+            return Tree.chain(root)
+        out = m.forward(torch.tensor([*pending, root]), logits_rows=slice(-1, None))
+        m.advance(len(pending) + 1)
+        base = m.length  # the root is committed in the draft cache; it will be in the target's too
+        slot_of: dict[int, int] = {0: base - 1}  # tree node -> cache slot
+
+        def expand(tree: Tree, frontier: list[int]) -> torch.Tensor:
+            # rows = frontier nodes; columns = tentative slots [base, length) + the new rows
+            tentative = m.length - base
+            mask = torch.zeros(len(frontier), tentative + len(frontier), dtype=torch.bool)
+            for r, node in enumerate(frontier):
+                mask[r, tentative + r] = True
+                p = tree.parents[node]
+                while p > 0:
+                    mask[r, slot_of[p] - base] = True
+                    p = tree.parents[p]
+            for r, node in enumerate(frontier):
+                slot_of[node] = m.length + r
+            positions = torch.tensor([base - 1 + tree.depths[n] for n in frontier])
+            o = m.forward(torch.tensor([tree.tokens[n] for n in frontier]), positions=positions, tree_mask=mask)
+            m.advance(len(frontier))
+            return torch.log_softmax(o.logits, dim=-1)
+
+        try:
+            return grow_tree(root, torch.log_softmax(out.logits[-1], -1), expand, cfg)
+        finally:
+            m.truncate(base)

@@ -1,0 +1,129 @@
+"""The user-facing API: load a target (+ drafter) by name, generate text with metrics.
+
+    from moaspec.pipeline import SpecDecoder
+    dec = SpecDecoder("smollm2-135m", drafter="lookup")
+    print(dec.generate("Write a haiku about CPUs.").text)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moaspec.decoding.engine import Engine, GenerationConfig, Metrics
+from moaspec.decoding.target import LocalTarget
+from moaspec.decoding.tree import TreeConfig
+from moaspec.drafters import build_drafter
+from moaspec.errors import UserError
+from moaspec.models.linear import WeightMode
+from moaspec.models.runtime import Transformer
+from moaspec.models.store import resolve
+
+
+def load_tokenizer(folder: Path):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def as_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            **self.metrics.as_dict(),
+        }
+
+
+class SpecDecoder:
+    """A target model, its tokenizer and chat template, and an optional drafter, ready to generate."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        drafter: str = "none",
+        draft_model: str | None = None,
+        weights: WeightMode = "fp32",
+        tree: TreeConfig | None = None,
+        max_seq_len: int = 4096,
+        device: str = "cpu",
+    ):
+        t = time.perf_counter()
+        self.model_name = model
+        self.folder = resolve(model)
+        self.tokenizer = load_tokenizer(self.folder)
+        self.target = Transformer(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
+        self.drafter = build_drafter(drafter, self, draft_model=draft_model)
+        self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
+                             self.drafter, tree)
+        self.load_s = time.perf_counter() - t
+
+    # ---------------------------------------------------------------- prompts
+    def encode(self, prompt: str | list[dict], chat: bool = True, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: plain text, or chat messages rendered with the model's template."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise UserError("the prompt is empty")
+            if not chat or not self.tokenizer.chat_template:
+                return self.tokenizer.encode(prompt)
+            prompt = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+        if not prompt:
+            raise UserError("the conversation is empty")
+        for msg in prompt:
+            if not isinstance(msg, dict) or "role" not in msg or not isinstance(msg.get("content"), str):
+                raise UserError(f"malformed chat message {msg!r}: need {{'role': ..., 'content': str}}")
+        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    # ---------------------------------------------------------------- generation
+    def stream(
+        self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None = None, chat: bool = True
+    ) -> Iterator[tuple[str, list[int], str | None]]:
+        """Yield (text delta, token ids, finish_reason) per verification round."""
+        cfg = cfg or GenerationConfig()
+        ids = list(prompt) if _is_ids(prompt) else self.encode(prompt, chat=chat)
+        tokens: list[int] = []
+        shown = ""
+        for chunk in self.engine.stream(ids, cfg):
+            tokens.extend(chunk.tokens)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            finish = chunk.finish_reason
+            hit = [text.find(s, max(0, len(shown) - len(s))) for s in cfg.stop]
+            hit = [h for h in hit if h >= 0]
+            if hit:
+                text, finish = text[: min(hit)], "stop"
+            elif finish is None and text.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 character: wait for its other bytes
+            yield text[len(shown):], chunk.tokens, finish
+            shown = text
+            if finish is not None:
+                return
+
+    def generate(
+        self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None = None, chat: bool = True
+    ) -> Generation:
+        ids = list(prompt) if _is_ids(prompt) else self.encode(prompt, chat=chat)
+        text, tokens, finish = "", [], "length"
+        for delta, new, reason in self.stream(ids, cfg):
+            text += delta
+            tokens += new
+            finish = reason or finish
+        return Generation(text, tokens, ids, finish, self.engine.metrics)
+
+
+def _is_ids(prompt: object) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
