@@ -1,0 +1,160 @@
+"""Runtime measurements, interleaved in one run so machine drift cancels:
+plain decode tokens/s against transformers `generate`, the cost of scoring k tokens in one pass
+relative to one decode step, and tau / speedup of the training-free drafters.
+
+    python -m moaspec.bench.runtime --model qwen2.5-coder-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.tree import TreeConfig
+from moaspec.models.runtime import Transformer
+from moaspec.models.store import resolve
+from moaspec.pipeline import SpecDecoder, load_tokenizer
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "Explain in a short paragraph why the sky is blue.",
+    "Rewrite this sentence in the passive voice: The committee approved the new budget on Monday.",
+    "A train travels 180 km in 2.5 hours. What is its average speed? Show the steps.",
+]
+
+
+def _ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def decode_speed(folder, prompt_ids: list[int], new_tokens: int, rounds: int) -> dict:
+    """Greedy decode tokens/s: transformers generate vs this runtime (fp32, fp16), interleaved."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = {mode: Transformer(folder, weights=mode, max_seq_len=len(prompt_ids) + new_tokens + 8)
+            for mode in ("fp32", "fp16")}
+    ids = torch.tensor([prompt_ids])
+
+    def run_hf() -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, attention_mask=torch.ones_like(ids))
+        return out[0, len(prompt_ids):].tolist()
+
+    def run_ours(m: Transformer) -> list[int]:
+        m.reset()
+        tok = m.prefill(prompt_ids).logits[-1].argmax()
+        out = [int(tok)]
+        for _ in range(new_tokens - 1):
+            tok = m.forward(tok[None]).logits[-1].argmax()
+            m.advance(1)
+            out.append(int(tok))
+        return out
+
+    runs = {"transformers": run_hf, "fp32": lambda: run_ours(ours["fp32"]), "fp16": lambda: run_ours(ours["fp16"])}
+    speeds: dict[str, list[float]] = {k: [] for k in runs}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(rounds):
+        for name, fn in runs.items():  # interleaved: drift hits every method alike
+            t = time.perf_counter()
+            tokens[name] = fn()
+            speeds[name].append(new_tokens / (time.perf_counter() - t))
+    with torch.inference_mode():
+        hf_logits = hf(ids).logits[0, -1]
+    ours["fp32"].reset()
+    diff = (ours["fp32"].prefill(prompt_ids).logits[-1] - hf_logits).abs().max().item()
+    med = {k: statistics.median(v) for k, v in speeds.items()}
+    return {
+        "tokens_per_s": {k: round(v, 2) for k, v in med.items()},
+        "speedup_vs_transformers": {k: round(v / med["transformers"], 3) for k, v in med.items()},
+        "fp32_same_tokens_as_transformers": tokens["fp32"] == tokens["transformers"],
+        "fp32_max_logit_diff": diff,
+    }
+
+
+def scoring_cost(folder, weights: str, context: int = 200, ks=(1, 2, 4, 8, 16, 32), reps: int = 7) -> dict:
+    """Milliseconds to score k new tokens after `context` cached ones, and the ratio to k=1."""
+    m = Transformer(folder, weights=weights, max_seq_len=context + max(ks) + 8)
+    m.prefill(torch.randint(100, 5000, (context,)))
+    out = {}
+    for k in ks:
+        toks = torch.randint(100, 5000, (k,))
+        out[k] = _ms(lambda toks=toks: m.forward(toks), reps)
+    return {"ms": {k: round(v, 2) for k, v in out.items()},
+            "x_decode_step": {k: round(v / out[1], 3) for k, v in out.items()}}
+
+
+def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights: str, new_tokens: int,
+                    tree: TreeConfig) -> dict:
+    decs = {"none": SpecDecoder(model, drafter="none", weights=weights)}
+    for name, draft_model in drafters:
+        decs[name] = SpecDecoder(model, drafter=name, draft_model=draft_model, weights=weights, tree=tree)
+    cfg = GenerationConfig(max_new_tokens=new_tokens)
+    rows: dict[str, dict[str, list[float]]] = {k: {"tps": [], "tau": [], "mismatch": []} for k in decs}
+    for p in PROMPTS:
+        base = None
+        for name, dec in decs.items():
+            g = dec.generate(p, cfg)
+            base = g.token_ids if base is None else base
+            rows[name]["tps"].append(g.metrics.tokens_per_s)
+            rows[name]["tau"].append(g.metrics.tau)
+            rows[name]["mismatch"].append(float(g.token_ids != base))
+    plain = statistics.mean(rows["none"]["tps"])
+    return {name: {"tokens_per_s": round(statistics.mean(r["tps"]), 2), "tau": round(statistics.mean(r["tau"]), 3),
+                   "speedup": round(statistics.mean(r["tps"]) / plain, 3), "mismatches": int(sum(r["mismatch"]))}
+            for name, r in rows.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--parts", default="decode,scoring,drafters")
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--weights", default="fp32")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = resolve(a.model)
+    tok = load_tokenizer(folder)
+    result: dict = {"model": a.model, "threads": torch.get_num_threads()}
+    parts = a.parts.split(",")
+    if "decode" in parts:
+        ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        result["decode"] = decode_speed(folder, ids, a.new_tokens, a.rounds)
+        print(json.dumps({"decode": result["decode"]}), flush=True)
+    if "scoring" in parts:
+        result["scoring"] = {w: scoring_cost(folder, w) for w in ("fp32", "fp16")}
+        print(json.dumps({"scoring": result["scoring"]}), flush=True)
+    if "drafters" in parts:
+        drafters = [("lookup", None)]
+        if a.draft_model or a.model in ("smollm2-135m", "qwen2.5-coder-1.5b"):
+            drafters.append(("model", a.draft_model))
+        result["drafters"] = {}
+        for tree in (TreeConfig(depth=3, topk=1, total_tokens=3), TreeConfig()):
+            key = f"depth{tree.depth}-topk{tree.topk}-total{tree.total_tokens}"
+            result["drafters"][key] = drafter_speedup(a.model, drafters, a.weights, a.new_tokens, tree)
+            print(json.dumps({key: result["drafters"][key]}), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
