@@ -1,0 +1,791 @@
+"""The Mixture-of-Attentions drafter (PAPER.md sections 3-5; arXiv 2410.03804).
+
+Two halves, split at the client-server seam (DESIGN.md):
+
+- `ContextEncoder` runs next to the target. For every newly verified token it gathers the K/V of all
+  target layers, runs Layer Self-Attention (LSA: one bidirectional decoder layer whose sequence is the
+  L layers), averages over layers and projects to a context vector c_t of the target's hidden size.
+- `MoADrafter` runs on the drafting side. Self-Attention (SA) is a causal decoder layer over the
+  target's frozen token embeddings; Cross-Attention (CA) reads the cached context vectors of verified
+  tokens only; Target Layer Inference (TLI, N in {0, 1, 3}) optionally runs the target's real last N
+  layers on top; the frozen (optionally trimmed) LM head gives the draft distribution.
+
+Alignment used everywhere (inference and training): row i of a sequence is the token x_i at absolute
+position i. Its SA input is embed(x_i), its output predicts x_{i+1}, so it regresses the target's
+hidden state of row i (the final normed state for N=0, the input of target layer L-N for N>0). The
+context vector c_j is built from the target's K/V at slot j. At inference the root (the last emitted
+token, position P) and every drafted node see the contexts c_0..c_{P-1} of the P verified tokens, so
+in training row i sees c_j for j <= start_i where start_i < i is the last verified slot before i
+(`verification_starts`). Trainable: SA, CA, LSA and the projection; everything else is the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
+from moaspec.errors import UserError
+from moaspec.models.linear import Linear
+from moaspec.models.runtime import Layer, ModelConfig, Transformer, apply_rope, rms_norm, rope_tables
+
+KIND = "moa"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class MoAConfig:
+    # the target this drafter belongs to
+    target_name: str
+    target_fingerprint: str
+    hidden_size: int  # target hidden D (also the SA/CA hidden and the context-vector size)
+    num_layers: int  # target L
+    num_kv_heads: int  # target Hkv
+    head_dim: int  # target d
+    vocab_size: int  # target vocabulary
+    # Self-Attention layer
+    sa_heads: int
+    sa_kv_heads: int
+    sa_head_dim: int
+    sa_mlp: int
+    # Cross-Attention layer
+    ca_heads: int
+    ca_kv_heads: int
+    ca_head_dim: int
+    ca_mlp: int
+    # Layer Self-Attention (hidden = 2 * Hkv * d)
+    lsa_heads: int
+    lsa_kv_heads: int
+    lsa_head_dim: int
+    lsa_mlp: int
+    tli_layers: int = 0  # N: target layers run on top of the drafter (0, 1 or 3 in the paper)
+    vocab_ids: int = 0  # size K of the trimmed LM head; 0 = the full vocabulary
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("sa", "ca", "lsa"):
+            heads, kv = getattr(self, f"{name}_heads"), getattr(self, f"{name}_kv_heads")
+            if heads < 1 or kv < 1 or heads % kv:
+                raise UserError(f"MoA {name}: {heads} heads are not a multiple of {kv} KV heads")
+        if not 0 <= self.tli_layers <= self.num_layers:
+            raise UserError(f"tli_layers must be in 0..{self.num_layers}, got {self.tli_layers}")
+        if not 0 <= self.vocab_ids <= self.vocab_size:
+            raise UserError(f"vocab_ids must be in 0..{self.vocab_size}, got {self.vocab_ids}")
+
+    @property
+    def lsa_hidden(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def head_size(self) -> int:
+        """Rows of the drafter's LM head (K, or the full vocabulary)."""
+        return self.vocab_ids or self.vocab_size
+
+    @classmethod
+    def for_target(
+        cls,
+        model_cfg: ModelConfig,
+        tli_layers: int = 0,
+        vocab_ids: int = 0,
+        target_name: str = "",
+        target_fingerprint: str = "",
+        **overrides: Any,
+    ) -> MoAConfig:
+        """Sizes that scale with the target. For Llama-3-8B (hidden 4096, 32 heads, 8 KV heads of 128)
+        this gives the paper's drafter: SA/CA hidden 4096 with 4 KV heads and MLP 6144, LSA hidden 2048
+        (16 heads, 4 KV) with MLP 3072: 264M trainable parameters."""
+        c = model_cfg
+
+        def kv_heads(heads: int) -> int:  # the paper halves the target's 8 KV heads; small targets keep theirs
+            kv = c.num_kv_heads // 2 if c.num_kv_heads >= 4 else c.num_kv_heads
+            return kv if heads % kv == 0 else heads
+
+        def mlp(hidden: int) -> int:  # ~1.5x hidden, a multiple of 64
+            return max(64, round(1.5 * hidden / 64) * 64)
+
+        lsa_heads = 2 * c.num_kv_heads
+        sizes: dict[str, Any] = dict(
+            sa_heads=c.num_heads, sa_kv_heads=kv_heads(c.num_heads), sa_head_dim=c.head_dim,
+            sa_mlp=mlp(c.hidden_size),
+            ca_heads=c.num_heads, ca_kv_heads=kv_heads(c.num_heads), ca_head_dim=c.head_dim,
+            ca_mlp=mlp(c.hidden_size),
+            lsa_heads=lsa_heads, lsa_kv_heads=kv_heads(lsa_heads), lsa_head_dim=c.head_dim,
+            lsa_mlp=mlp(2 * c.num_kv_heads * c.head_dim),
+        )
+        sizes.update(overrides)
+        return cls(
+            target_name=target_name, target_fingerprint=target_fingerprint,
+            hidden_size=c.hidden_size, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, vocab_size=c.vocab_size, tli_layers=tli_layers, vocab_ids=vocab_ids,
+            rope_theta=c.rope_theta, rms_eps=c.rms_eps, **sizes,
+        )
+
+    def check_target(self, model_cfg: ModelConfig) -> None:
+        """UserError unless `model_cfg` has the dimensions this drafter was built for."""
+        want = dict(hidden_size=self.hidden_size, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, vocab_size=self.vocab_size)
+        have = {k: getattr(model_cfg, k) for k in want}
+        if want != have:
+            bad = ", ".join(f"{k} {want[k]} vs {have[k]}" for k in want if want[k] != have[k])
+            raise UserError(f"this MoA drafter was built for target {self.target_name!r}, whose dimensions differ "
+                            f"from the loaded target's ({bad})")
+
+
+@dataclass(frozen=True)
+class _Rope:  # what `rope_tables` reads from a ModelConfig
+    rope_theta: float
+    head_dim: int
+
+
+def _rope(theta: float, head_dim: int, length: int, device: torch.device | str | None = None):
+    return rope_tables(cast(ModelConfig, _Rope(theta, head_dim)), length, torch.device(device or "cpu"))
+
+
+# ----------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class KVCache:
+    """A static batch-1 K/V buffer [1, heads, size, head_dim]; callers track which slots are live."""
+
+    def __init__(self, heads: int, size: int, head_dim: int, device: torch.device, dtype: torch.dtype):
+        self.k = torch.zeros(1, heads, size, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [1, heads, n, d] at slots [start, start + n); return the slots [0, start + n)."""
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, n, hd], k/v [B, Hkv, m, hd]; mask bool [n, m] or [B, n, m], True = may attend."""
+    if mask is not None and mask.dim() == 3:
+        mask = mask[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    b, n, _ = x.shape
+    return x.view(b, n, heads, head_dim).transpose(1, 2)
+
+
+def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+    b, h, n, d = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * d)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm self-attention decoder layer with GQA, RoPE and a SwiGLU MLP (SA and LSA)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_norm = RMSNorm(dim, eps)
+        self.q = nn.Linear(dim, heads * head_dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, dim, bias=False)
+        self.post_norm = RMSNorm(dim, eps)
+        self.mlp = SwiGLU(dim, mlp)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """x [B, n, dim]; cos/sin [n, head_dim] at the rows' positions. With a cache (B = 1) the rows'
+        K/V are written at slots [start, start + n) and attention covers slots [0, start + n)."""
+        h = self.input_norm(x)
+        q = apply_rope(_split_heads(self.q(h), self.heads, self.head_dim), cos, sin)
+        k = apply_rope(_split_heads(self.k(h), self.kv_heads, self.head_dim), cos, sin)
+        v = _split_heads(self.v(h), self.kv_heads, self.head_dim)
+        if cache is not None:
+            k, v = cache.update(start, k, v)
+        x = x + self.o(_merge_heads(_attention(q, k, v, mask)))
+        return x + self.mlp(self.post_norm(x))
+
+
+class CrossAttentionLayer(nn.Module):
+    """Queries from the SA stream, keys/values from the context vectors of verified tokens; the same
+    input RMSNorm is applied to both streams; RoPE at absolute positions on queries and keys."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.input_norm = RMSNorm(dim, eps)
+        self.q = nn.Linear(dim, heads * head_dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, dim, bias=False)
+        self.post_norm = RMSNorm(dim, eps)
+        self.mlp = SwiGLU(dim, mlp)
+
+    def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c [B, m, dim] context vectors at positions given by cos/sin -> k, v [B, kv_heads, m, head_dim]."""
+        h = self.input_norm(c)
+        k = apply_rope(_split_heads(self.k(h), self.kv_heads, self.head_dim), cos, sin)
+        return k, _split_heads(self.v(h), self.kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        q = apply_rope(_split_heads(self.q(self.input_norm(x)), self.heads, self.head_dim), cos, sin)
+        x = x + self.o(_merge_heads(_attention(q, k, v, mask)))
+        return x + self.mlp(self.post_norm(x))
+
+
+def _frozen_linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    """A target Linear on x [..., in]. F.linear on the fp32 (or accelerator) weight keeps autograd working
+    for training through the frozen layers; fbgemm fp16-packed weights (CPU "fp16" mode) have no autograd."""
+    if lin.weight is not None:
+        return F.linear(x.to(lin.weight.dtype), lin.weight, lin.bias).float()
+    return lin(x.reshape(-1, lin.in_features)).view(*x.shape[:-1], lin.out_features)
+
+
+class FrozenTargetLayer:
+    """One of the target's real last layers run on drafter positions (TLI). Shares the target's weights
+    (never trained, not in the drafter's state dict); its keys/values are the target's cached K/V of the
+    verified tokens followed by the drafted positions' own K/V. Same math as `Transformer.layer_forward`."""
+
+    def __init__(self, layer: Layer, cfg: ModelConfig):
+        self.layer, self.cfg = layer, cfg
+
+    @property
+    def trainable(self) -> bool:  # gradients can flow through it to the CA output
+        return all(lin.weight is not None for lin in (self.layer.q, self.layer.k, self.layer.v, self.layer.o,
+                                                      self.layer.gate, self.layer.up, self.layer.down))
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x [B, n, D]. Keys/values: with `cache` (B = 1) the rows' K/V are written at [start, start + n)
+        and slots [0, start + n) are attended; with `prefix` (K, V [B, Hkv, m, d], the target's) the
+        attended keys are prefix then the rows' own."""
+        c, lay = self.cfg, self.layer
+        h = rms_norm(x, lay.ln1, c.rms_eps)
+        q = apply_rope(_split_heads(_frozen_linear(lay.q, h), c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(_split_heads(_frozen_linear(lay.k, h), c.num_kv_heads, c.head_dim), cos, sin)
+        v = _split_heads(_frozen_linear(lay.v, h), c.num_kv_heads, c.head_dim)
+        if cache is not None:
+            k, v = cache.update(start, k, v)
+        elif prefix is not None:
+            k, v = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
+        x = x + _frozen_linear(lay.o, _merge_heads(_attention(q, k, v, mask)))
+        h = rms_norm(x, lay.ln2, c.rms_eps)
+        return x + _frozen_linear(lay.down, F.silu(_frozen_linear(lay.gate, h)) * _frozen_linear(lay.up, h))
+
+
+# ----------------------------------------------------------------------------- training masks
+def verification_starts(T: int, prompt_len: int | torch.Tensor, every: int | torch.Tensor) -> torch.Tensor:
+    """start[i]: the last verified slot whose context row i may read (PAPER.md section 4).
+
+    Verified slots ("verification points") are every prompt slot j < prompt_len and every j with
+    j % every == 0. Row i (token x_i at position i) sees the contexts of slots j <= start[i], with
+    start[i] = the last verification point strictly before i, as at inference, where the root at
+    position P reads the contexts of the P verified slots 0..P-1. So rows 1..prompt_len read up to
+    i - 1, and a generated row i reads up to max(prompt_len - 1, the last multiple of `every` below i):
+    it drafts i - start[i] steps ahead (1 for a root, up to `every`). Row 0 has no earlier slot and
+    gets 0 (keep it out of the loss; it is a prompt row anyway).
+
+    prompt_len/every: ints (-> [T]) or [B] tensors (-> [B, T]); long tensor.
+    """
+    batched = isinstance(prompt_len, torch.Tensor) and prompt_len.dim() > 0 or (
+        isinstance(every, torch.Tensor) and every.dim() > 0)
+    p = torch.as_tensor(prompt_len, dtype=torch.long).reshape(-1, 1)
+    e = torch.as_tensor(every, dtype=torch.long).reshape(-1, 1)
+    if (e < 1).any() or (p < 1).any():
+        raise ValueError("verification_starts needs every >= 1 and prompt_len >= 1")
+    i = torch.arange(T, device=p.device)[None]
+    multiple = (i - 1).clamp(min=0) // e * e
+    start = torch.where(i <= p, i - 1, torch.maximum(p - 1, multiple)).clamp(min=0)
+    return start if batched else start[0]
+
+
+def ca_mask(start_idx: torch.Tensor) -> torch.Tensor:
+    """[B, T] (or [T]) start indices -> bool [B, T, T] (or [T, T]): CA query i sees context j <= start_i."""
+    j = torch.arange(start_idx.shape[-1], device=start_idx.device)
+    return j <= start_idx[..., None]
+
+
+def sa_curriculum_mask(start_idx: torch.Tensor) -> torch.Tensor:
+    """Curriculum SA mask: query i sees only tokens j with start_i < j <= i, and itself."""
+    T = start_idx.shape[-1]
+    i = torch.arange(T, device=start_idx.device)
+    j = i
+    causal = j[None] <= i[:, None]
+    return (causal & (j > start_idx[..., None])) | torch.eye(T, dtype=torch.bool, device=start_idx.device)
+
+
+def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+def tli_mask(start_idx: torch.Tensor) -> torch.Tensor:
+    """bool [B, T, 2T] for the TLI layers in training: keys are the target's K/V of the T slots (query i
+    sees j <= start_i) followed by the drafter's own K/V of the T rows (query i sees start_i < j <= i)."""
+    return torch.cat([ca_mask(start_idx), sa_curriculum_mask(start_idx)], -1)
+
+
+# ----------------------------------------------------------------------------- context encoder
+@dataclass
+class MoAContext:
+    """What the drafter receives per newly verified token (the payload of the client-server seam)."""
+
+    vectors: torch.Tensor  # [n, D] context vectors c_t
+    tail_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # target K, V of the last N layers [N, Hkv, n, d]
+
+    def __len__(self) -> int:
+        return self.vectors.shape[0]
+
+
+class ContextEncoder(nn.Module):
+    """Target side of MoA: Layer Self-Attention over all layers' K/V of a token, mean, projection."""
+
+    hidden_layers: tuple[int, ...] = ()  # it reads the target's KV cache, no hidden states
+
+    def __init__(self, cfg: MoAConfig):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.lsa_hidden
+        self.lsa = DecoderLayer(E, cfg.lsa_heads, cfg.lsa_kv_heads, cfg.lsa_head_dim, cfg.lsa_mlp, cfg.rms_eps)
+        self.proj = nn.Linear(E, cfg.hidden_size, bias=True)
+        cos, sin = _rope(cfg.rope_theta, cfg.lsa_head_dim, cfg.num_layers)  # positions 0..L-1 = layers
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def layer_states(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v [..., L, Hkv, d] -> LSA outputs [..., L, 2*Hkv*d] (before the mean over layers)."""
+        lead, L = k.shape[:-3], k.shape[-3]
+        x = torch.cat([k, v], -1).flatten(-2)  # per head [k_h, v_h]: [..., L, 2*Hkv*d]
+        x = self.lsa(x.reshape(-1, L, x.shape[-1]), self.cos, self.sin)  # bidirectional: no mask
+        return x.view(*lead, L, x.shape[-1])
+
+    def forward(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Training entry point: k, v [B, T, L, Hkv, d] (any leading dims; keys after RoPE, as cached)
+        -> context vectors [B, T, D]."""
+        return self.proj(self.layer_states(k, v).mean(-2))
+
+    @torch.no_grad()
+    def encode(self, target: Transformer, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> MoAContext:
+        """The `decoding.target.ContextEncoder` protocol: context for newly committed cache slots."""
+        K, V = target.kv(slots)  # [L, Hkv, n, d]
+        vectors = self(K.permute(2, 0, 1, 3), V.permute(2, 0, 1, 3))
+        N = self.cfg.tli_layers
+        tail = (K[-N:].clone(), V[-N:].clone()) if N else None
+        return MoAContext(vectors, tail)
+
+
+# ----------------------------------------------------------------------------- drafter
+@dataclass
+class TrainOut:
+    hidden: torch.Tensor  # [B, T, D] CA output: regresses the target's final state (N=0) or layer L-N input
+    final: torch.Tensor  # [B, T, D] normed state fed to the LM head (after the TLI layers); `hidden` if N=0
+    logits: torch.Tensor | None  # [B, T, K] over the drafter's vocabulary (`vocab_ids`), None if not asked
+
+
+class MoADrafter(nn.Module):
+    """The drafting side of MoA; implements `drafters.base.Drafter`.
+
+    Parameters (trainable): `sa`, `ca`, `encoder.lsa`, `encoder.proj`; buffer `vocab_ids` (kept target
+    token ids of the trimmed head). Frozen target parts (embedding, LM head, final norm, last N layers)
+    are shared with the target by `attach`/`from_target` and are not in the state dict.
+    """
+
+    name = "moa"
+
+    def __init__(self, cfg: MoAConfig, max_seq_len: int = 4096):
+        super().__init__()
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        D = cfg.hidden_size
+        self.sa = DecoderLayer(D, cfg.sa_heads, cfg.sa_kv_heads, cfg.sa_head_dim, cfg.sa_mlp, cfg.rms_eps)
+        self.ca = CrossAttentionLayer(D, cfg.ca_heads, cfg.ca_kv_heads, cfg.ca_head_dim, cfg.ca_mlp, cfg.rms_eps)
+        self.encoder = ContextEncoder(cfg)
+        self.register_buffer("vocab_ids", torch.arange(cfg.vocab_ids))  # placeholder ids; see set_vocab_ids
+        for name, hd in (("sa", cfg.sa_head_dim), ("ca", cfg.ca_head_dim)):
+            cos, sin = _rope(cfg.rope_theta, hd, max_seq_len)
+            self.register_buffer(f"{name}_cos", cos, persistent=False)
+            self.register_buffer(f"{name}_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        self.register_load_state_dict_post_hook(MoADrafter._after_load)  # new vocab_ids -> new trimmed head
+        # frozen target parts (attach)
+        self.target_cfg: ModelConfig | None = None
+        self.tli: list[FrozenTargetLayer] = []
+        self.embed: torch.Tensor | None = None
+        self.final_norm: torch.Tensor | None = None
+        self.full_head: torch.Tensor | None = None
+        self.head: torch.Tensor | None = None  # [K, D]: full_head rows of vocab_ids (or full_head itself)
+        self.tli_cos = self.tli_sin = None
+        self.reset()
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    # ------------------------------------------------------------------ frozen parts
+    @classmethod
+    def from_target(cls, target: Transformer, cfg: MoAConfig, vocab_ids: torch.Tensor | None = None) -> MoADrafter:
+        """A drafter (fresh trainable weights) with the target's frozen parts attached, on its device."""
+        drafter = cls(cfg, max_seq_len=target.max_seq_len).to(target.device)
+        drafter.attach(target)
+        if vocab_ids is not None:
+            drafter.set_vocab_ids(vocab_ids)
+        return drafter
+
+    def attach(self, target: Transformer) -> None:
+        """Share the target's embedding, LM head, final norm and last N layers (no copies)."""
+        self.cfg.check_target(target.cfg)
+        self.target_cfg = target.cfg
+        self.embed = target.embed
+        self.full_head = target.lm_head_weight.float()
+        self.final_norm = target.norm
+        N = self.cfg.tli_layers
+        self.tli = [FrozenTargetLayer(layer, target.cfg) for layer in target.layers[target.cfg.num_layers - N:]]
+        self.tli_cos, self.tli_sin = target.cos, target.sin
+        self._trim_head()
+
+    def set_vocab_ids(self, ids: torch.Tensor) -> None:
+        """Choose the target token ids the trimmed head keeps (K = cfg.vocab_ids of them, distinct)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.vocab_ids.device)
+        if ids.shape != (self.cfg.vocab_ids,) or ids.unique().numel() != ids.numel():
+            raise UserError(f"vocab_ids must be {self.cfg.vocab_ids} distinct token ids, got shape {tuple(ids.shape)}")
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.cfg.vocab_size):
+            raise UserError(f"vocab_ids must lie in 0..{self.cfg.vocab_size - 1}")
+        self.vocab_ids.copy_(ids)
+        self._trim_head()
+
+    @staticmethod
+    def _after_load(module: MoADrafter, incompatible_keys: Any) -> None:
+        module._trim_head()
+
+    def _trim_head(self) -> None:
+        if self.full_head is not None:
+            self.head = self.full_head[self.vocab_ids].contiguous() if self.cfg.vocab_ids else self.full_head
+
+    def _require_target(self) -> None:
+        if self.embed is None:
+            raise UserError("the MoA drafter has no target attached: build it with MoADrafter.from_target or load()")
+
+    # ------------------------------------------------------------------ bookkeeping
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything a checkpoint holds: SA, CA, LSA, projection weights and the `vocab_ids` buffer."""
+        return dict(self.state_dict())
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """Drafter vocabulary index -> target token id (None: the full vocabulary, identity)."""
+        return self.vocab_ids if self.cfg.vocab_ids else None
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """LM-head logits over the drafter's vocabulary for states [..., D]."""
+        self._require_target()
+        return F.linear(final, self.head)
+
+    # ------------------------------------------------------------------ shared math
+    def _after_sa(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ca_k: torch.Tensor,
+        ca_v: torch.Tensor,
+        ca_attn: torch.Tensor | None,
+        tli_kv: list[dict[str, Any]],
+        tli_attn: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """CA, then TLI layers and the final norm (N>0): returns (CA output, state for the LM head)."""
+        h = self.ca(x, self.ca_cos[positions], self.ca_sin[positions], ca_k, ca_v, ca_attn)
+        if not self.tli:
+            return h, h
+        out = h
+        cos, sin = self.tli_cos[positions], self.tli_sin[positions]
+        for layer, kv in zip(self.tli, tli_kv, strict=True):
+            out = layer(out, cos, sin, tli_attn, **kv)
+        return h, rms_norm(out, self.final_norm, self.cfg.rms_eps)
+
+    # ------------------------------------------------------------------ training
+    def forward_train(
+        self,
+        tokens: torch.Tensor,
+        ctx_vectors: torch.Tensor,
+        start_idx: torch.Tensor,
+        tail_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sa_mask: torch.Tensor | None = None,
+        compute_logits: bool = True,
+    ) -> TrainOut:
+        """One pass over whole sequences with the inference information limit built into the masks.
+
+        tokens [B, T] target token ids (row i at position i); ctx_vectors [B, T, D] = ContextEncoder.forward
+        of the target's K/V of the same T slots; start_idx [B, T] from `verification_starts` (CA row i
+        reads contexts j <= start_i); tail_kv: the target's K, V of its last N layers, each
+        [B, N, Hkv, T, d] (required iff N > 0); sa_mask: bool [T, T] or [B, T, T] for SA (default
+        causal; `sa_curriculum_mask(start_idx)` for the curriculum). Row i's outputs predict x_{i+1}.
+        """
+        self._require_target()
+        B, T = tokens.shape
+        if start_idx.dim() == 1:
+            start_idx = start_idx.expand(B, T)
+        if bool(self.tli) != (tail_kv is not None):
+            raise ValueError(f"tail_kv must be given exactly when tli_layers > 0 (N={self.cfg.tli_layers})")
+        if self.tli and torch.is_grad_enabled() and not all(layer.trainable for layer in self.tli):
+            raise UserError("training a TLI drafter needs the target's fp32 weights (load it with weights='fp32')")
+        positions = torch.arange(T, device=tokens.device)
+        x = self.embed[tokens]
+        if sa_mask is None:
+            sa_mask = causal_mask(T, tokens.device)
+        x = self.sa(x, self.sa_cos[positions], self.sa_sin[positions], sa_mask)
+        ca_k, ca_v = self.ca.context_kv(ctx_vectors, self.ca_cos[positions], self.ca_sin[positions])
+        tli_kv = [dict(prefix=(tail_kv[0][:, n], tail_kv[1][:, n])) for n in range(len(self.tli))] if tail_kv else []
+        hidden, final = self._after_sa(x, positions, ca_k, ca_v, ca_mask(start_idx), tli_kv,
+                                       tli_mask(start_idx) if self.tli else None)
+        return TrainOut(hidden, final, self.logits(final) if compute_logits else None)
+
+    # ------------------------------------------------------------------ inference (Drafter protocol)
+    def reset(self) -> None:
+        self.tokens: list[int] = []  # committed tokens (prompt + accepted), all in the target's cache
+        self.sa_len = 0  # tokens whose K/V are in the SA cache
+        self.ctx_len = 0  # verified tokens whose CA keys/values (and TLI K/V) are cached
+
+    def _caches(self) -> None:
+        S = self.max_seq_len
+        p = next(self.parameters())
+        if getattr(self, "sa_cache", None) is not None and self.sa_cache.size == S:
+            return
+        c, tc = self.cfg, self.target_cfg
+        self.sa_cache = KVCache(c.sa_kv_heads, S, c.sa_head_dim, p.device, p.dtype)
+        self.ca_cache = KVCache(c.ca_kv_heads, S, c.ca_head_dim, p.device, p.dtype)
+        self.tli_caches = [KVCache(tc.num_kv_heads, S, tc.head_dim, p.device, p.dtype) for _ in self.tli]
+
+    def _add_context(self, context: Any) -> None:
+        """Project CA keys/values (and store the TLI K/V) once for each newly verified token."""
+        if not isinstance(context, MoAContext):
+            raise UserError("the MoA drafter needs MoA context from the target: pass drafter.encoder to the target")
+        start, n = self.ctx_len, len(context)
+        if start + n > self.max_seq_len:
+            raise UserError(f"MoA drafter context full ({start} + {n} > {self.max_seq_len} tokens)")
+        pos = torch.arange(start, start + n, device=context.vectors.device)
+        k, v = self.ca.context_kv(context.vectors[None], self.ca_cos[pos], self.ca_sin[pos])
+        self.ca_cache.update(start, k, v)
+        for i, cache in enumerate(self.tli_caches):
+            cache.update(start, context.tail_kv[0][i][None], context.tail_kv[1][i][None])
+        self.ctx_len += n
+
+    @torch.no_grad()
+    def begin(self, prompt: list[int], context: Any) -> None:
+        self._require_target()
+        self._caches()
+        self.reset()
+        self.tokens = list(prompt)
+        self._add_context(context)
+
+    @torch.no_grad()
+    def observe(self, tokens: list[int], context: Any) -> None:
+        self.tokens.extend(tokens)
+        self._add_context(context)
+
+    def _predict(self, x: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """SA outputs x [1, n, D] of rows at `positions` -> log-probs [n, K]. The TLI layers write the rows'
+        own K/V at tentative slots [start, start + n) after the verified ones and attend under `mask`."""
+        L = self.ctx_len
+        tli_kv = [dict(cache=cache, start=start) for cache in self.tli_caches]
+        _, final = self._after_sa(x, positions, self.ca_cache.k[:, :, :L], self.ca_cache.v[:, :, :L], None,
+                                  tli_kv, mask)
+        return torch.log_softmax(self.logits(final[0]), -1)
+
+    @torch.no_grad()
+    def propose(self, root: int, cfg: TreeConfig) -> Tree:
+        P = len(self.tokens)  # the root's position; the target has verified slots 0..P-1
+        if self.ctx_len != P:
+            raise RuntimeError(f"MoA drafter out of step: {P} committed tokens but {self.ctx_len} context vectors")
+        if P + 1 + cfg.depth * cfg.topk > self.max_seq_len:
+            return Tree.chain(root)
+        dev = self.sa_cos.device
+        # SA over the tokens accepted since the last round + the root, in one causal pass (root committed:
+        # it will be in the target's cache after verification). Only the root row goes on.
+        pending = [*self.tokens[self.sa_len:], root]
+        n = len(pending)
+        start = self.sa_len
+        pos = torch.arange(start, P + 1, device=dev)
+        mask = None
+        if n > 1:
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=dev), causal_mask(n, dev)], 1)
+        x = self.sa(self.embed[torch.tensor(pending, device=dev)][None], self.sa_cos[pos], self.sa_sin[pos],
+                    mask, self.sa_cache, start)
+        self.sa_len = P + 1
+        root_lp = self._predict(x[:, -1:], pos[-1:], P, None)[0]  # TLI: the root's own K/V at slot P
+
+        # Drafted nodes get tentative slots P+1, P+2, ... in the SA and TLI caches (overwritten next round).
+        slot_of = {0: P}
+        next_slot = P + 1
+
+        def expand(tree: Tree, frontier: list[int]) -> torch.Tensor:
+            nonlocal next_slot
+            f, first = len(frontier), next_slot
+            for r, node in enumerate(frontier):
+                slot_of[node] = first + r
+            mask = torch.zeros(f, first + f, dtype=torch.bool, device=dev)
+            mask[:, : P + 1] = True  # verified tokens and the root
+            for r, node in enumerate(frontier):
+                p = node
+                while p > 0:
+                    mask[r, slot_of[p]] = True
+                    p = tree.parents[p]
+            positions = torch.tensor([P + tree.depths[node] for node in frontier], device=dev)
+            ids = torch.tensor([tree.tokens[node] for node in frontier], device=dev)
+            x = self.sa(self.embed[ids][None], self.sa_cos[positions], self.sa_sin[positions], mask,
+                        self.sa_cache, first)
+            next_slot = first + f
+            return self._predict(x, positions, first, mask)
+
+        return grow_tree(root, root_lp, expand, cfg, vocab=self.draft_vocab)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def save(drafter: MoADrafter, folder: str | Path, fp16: bool = False) -> Path:
+    """Write config.json (kind "moa", all sizes, target name + fingerprint) and model.safetensors
+    (trainable weights + vocab ids only; fp16 halves the float tensors)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for k, t in drafter.trainable_state_dict().items():
+        t = t.detach().to("cpu")
+        tensors[k] = (t.half() if fp16 and t.is_floating_point() else t).contiguous()
+    config = {"kind": KIND, "format_version": FORMAT_VERSION, "dtype": "fp16" if fp16 else "fp32",
+              **asdict(drafter.cfg)}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"kind": KIND})
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def read_config(folder: str | Path) -> MoAConfig:
+    path = Path(folder) / CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"no MoA drafter checkpoint at {folder}: {CONFIG_FILE} is missing") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict) or raw.get("kind") != KIND:
+        kind = raw.get("kind") if isinstance(raw, dict) else None
+        raise UserError(f"{path} is not an MoA drafter checkpoint (kind {kind!r}, expected {KIND!r})")
+    if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+        raise UserError(f"{path} has format version {raw['format_version']}; this moaspec reads {FORMAT_VERSION}")
+    names = {f.name for f in fields(MoAConfig)}
+    try:
+        return MoAConfig(**{k: v for k, v in raw.items() if k in names})
+    except TypeError as e:
+        raise UserError(f"{path} is incomplete: {e}") from None
+
+
+def load(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> MoADrafter:
+    """Load a drafter saved by `save` and attach it to `target`. UserError for a checkpoint of another
+    target (name, weights fingerprint or dimensions) and for missing or corrupt files."""
+    folder = Path(folder)
+    cfg = read_config(folder)
+    if cfg.target_fingerprint != fingerprint or cfg.target_name != target_name:
+        raise UserError(
+            f"the MoA drafter in {folder} was trained for target {cfg.target_name!r} (weights fingerprint "
+            f"{cfg.target_fingerprint}), not for {target_name!r} (fingerprint {fingerprint}); "
+            "use a drafter trained for this target"
+        )
+    cfg.check_target(target.cfg)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise UserError(f"the MoA drafter checkpoint {folder} has no {WEIGHTS_FILE}")
+    try:
+        tensors = load_file(str(path), device=str(target.device))
+    except Exception as e:  # safetensors raises SafetensorError, OSError, ValueError... on bad files
+        raise UserError(f"cannot read {path} (corrupt or truncated? retrain or copy it again): {e}") from None
+    drafter = MoADrafter.from_target(target, cfg)
+    try:
+        drafter.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise UserError(f"{path} does not match its {CONFIG_FILE}: {e}") from None
+    if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
+        raise UserError(f"{path} holds non-finite weights")
+    if cfg.vocab_ids and (drafter.vocab_ids.min() < 0 or drafter.vocab_ids.max() >= cfg.vocab_size):
+        raise UserError(f"{path} holds vocabulary ids outside the target's vocabulary")
+    return drafter.eval()
+
+
+def param_count(cfg: MoAConfig) -> int:
+    """Trainable parameters of a drafter with these sizes (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return MoADrafter(cfg, max_seq_len=1).num_trainable_parameters()
+
+
+__all__ = [
+    "ContextEncoder",
+    "FrozenTargetLayer",
+    "MoAConfig",
+    "MoAContext",
+    "MoADrafter",
+    "TrainOut",
+    "ca_mask",
+    "causal_mask",
+    "load",
+    "param_count",
+    "read_config",
+    "sa_curriculum_mask",
+    "save",
+    "tli_mask",
+    "verification_starts",
+]
