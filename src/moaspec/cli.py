@@ -169,19 +169,12 @@ def _load_decoder(args: argparse.Namespace, tree: TreeConfig):
 
 def _generate(dec, ids: list[int], cfg: GenerationConfig, out=None):
     """SpecDecoder.generate, writing each text delta to `out` (if given) as soon as it is verified."""
-    from moaspec.pipeline import Generation
 
-    parts: list[str] = []
-    tokens: list[int] = []
-    finish = "length"
-    for delta, new, reason in dec.stream(ids, cfg):
-        if out is not None and delta:
-            out.write(delta)
-            out.flush()
-        parts.append(delta)
-        tokens.extend(new)
-        finish = reason or finish
-    return Generation("".join(parts), tokens, ids, finish, dec.engine.metrics)
+    def write(delta: str) -> None:
+        out.write(delta)
+        out.flush()
+
+    return dec.generate(ids, cfg, on_text=write if out is not None else None)
 
 
 def _summary(gen, label: str) -> str:

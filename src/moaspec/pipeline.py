@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,7 @@ class SpecDecoder:
         tree: TreeConfig | None = None,
         max_seq_len: int = 4096,
         device: str = "cpu",
+        warmup: bool = True,
     ):
         t = time.perf_counter()
         self.model_name = model
@@ -68,6 +69,8 @@ class SpecDecoder:
         self.drafter = build_drafter(drafter, self, draft_model=draft_model)
         self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
                              self.drafter, tree)
+        if warmup:
+            self.target.warmup()
         self.load_s = time.perf_counter() - t
 
     # ---------------------------------------------------------------- prompts
@@ -114,15 +117,24 @@ class SpecDecoder:
                 return
 
     def generate(
-        self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None = None, chat: bool = True
+        self,
+        prompt: str | list[dict] | list[int],
+        cfg: GenerationConfig | None = None,
+        chat: bool = True,
+        on_text: Callable[[str], None] | None = None,
     ) -> Generation:
+        """Generate to the end; `on_text` receives each text delta as soon as it is verified."""
         ids = list(prompt) if _is_ids(prompt) else self.encode(prompt, chat=chat)
-        text, tokens, finish = "", [], "length"
+        parts: list[str] = []
+        tokens: list[int] = []
+        finish = "length"
         for delta, new, reason in self.stream(ids, cfg):
-            text += delta
+            if on_text is not None and delta:
+                on_text(delta)
+            parts.append(delta)
             tokens += new
             finish = reason or finish
-        return Generation(text, tokens, ids, finish, self.engine.metrics)
+        return Generation("".join(parts), tokens, ids, finish, self.engine.metrics)
 
 
 def _is_ids(prompt: object) -> bool:

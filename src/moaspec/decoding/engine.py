@@ -86,6 +86,8 @@ class Engine:
         if not prompt:
             raise UserError("the prompt is empty")
         limit = self.target.max_seq_len
+        if len(prompt) >= limit:
+            raise ContextLengthError(f"the prompt has {len(prompt)} tokens; the context holds {limit}: shorten it")
         if len(prompt) + cfg.max_new_tokens > limit:
             raise ContextLengthError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds the context of "
