@@ -1,0 +1,239 @@
+"""On-policy MoA training with the target in the loop (PAPER.md section 4).
+
+Why the target runs in the loop instead of from cached features: on this CPU one epoch is all a
+working session affords, so a feature cache would be read once and pay nothing back, while it costs
+23 KB per token for SmolLM2 (all layers' K/V in fp16) and 12 KB for Qwen 0.5B.
+
+Per sequence: the frozen target gives every layer's K/V and the hidden states; `every` is drawn
+from 6..14; CA row i may read only contexts j <= start_i; SA is causal, except that in the first
+half of training it is, with a probability falling linearly to 0, limited to tokens after start_i.
+Loss on assistant tokens only: 0.1 x soft cross-entropy against the target's next-token
+distribution + SmoothL1 to the target state the drafter regresses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from moaspec.drafters import moa
+from moaspec.errors import UserError
+from moaspec.models.runtime import Transformer
+from moaspec.models.store import resolve, weights_fingerprint
+
+
+@dataclass
+class TrainConfig:
+    model: str = "smollm2-135m"
+    data: str = ""  # folder with train.jsonl / val.jsonl (training.data)
+    out: str = "runs/moa"
+    tli_layers: int = 0
+    vocab_ids: int = 16384  # trimmed drafter head (0 = full vocabulary)
+    steps: int = 300
+    batch_size: int = 4
+    max_len: int = 384
+    lr: float = 6e-4
+    lr_min: float = 3e-5
+    warmup: int = 30
+    clip: float = 1.0
+    every_min: int = 6
+    every_max: int = 14
+    ce_weight: float = 0.1
+    val_every: int = 100
+    val_sequences: int = 24
+    seed: int = 0
+    save_every: int = 100
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    prompt_len: int
+
+
+def load_examples(tokenizer, path: Path, max_len: int) -> list[Example]:
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = eos if isinstance(eos, int) and eos >= 0 else tokenizer.eos_token_id
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        p = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                          tokenize=True)
+        p = list(p["input_ids"] if hasattr(p, "keys") else p)
+        ids = (p + tokenizer.encode(r["response"], add_special_tokens=False) + [eos])[:max_len]
+        if len(ids) > len(p) + 1:
+            out.append(Example(ids, len(p)))
+    return out
+
+
+def top_vocab(examples: list[Example], k: int, vocab_size: int) -> torch.Tensor:
+    """The k most frequent target tokens in the training data (ties by id), padded with the lowest ids."""
+    counts = Counter(t for e in examples for t in e.ids)
+    ids = [t for t, _ in sorted(counts.items(), key=lambda x: (-x[1], x[0]))][:k]
+    seen = set(ids)
+    ids += [t for t in range(vocab_size) if t not in seen][: k - len(ids)]
+    return torch.tensor(sorted(ids))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr_min + 0.5 * (cfg.lr - cfg.lr_min) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        from moaspec.pipeline import load_tokenizer
+
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.rng = random.Random(cfg.seed)
+        folder = resolve(cfg.model)
+        self.tokenizer = load_tokenizer(folder)
+        self.target = Transformer(folder, weights="fp32", max_seq_len=cfg.max_len + 8)
+        data = Path(cfg.data)
+        if not (data / "train.jsonl").exists():
+            raise UserError(f"no training data in {data}: run `moaspec data --model {cfg.model}` first")
+        self.train = load_examples(self.tokenizer, data / "train.jsonl", cfg.max_len)
+        self.val = load_examples(self.tokenizer, data / "val.jsonl", cfg.max_len)[: cfg.val_sequences]
+        L = self.target.cfg.num_layers
+        mcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=cfg.tli_layers, vocab_ids=cfg.vocab_ids,
+                                        target_name=cfg.model, target_fingerprint=weights_fingerprint(folder))
+        vocab = top_vocab(self.train, cfg.vocab_ids, self.target.cfg.vocab_size) if cfg.vocab_ids else None
+        self.drafter = moa.MoADrafter.from_target(self.target, mcfg, vocab)
+        self.drafter.train()
+        self.layers = (L - cfg.tli_layers, L) if cfg.tli_layers else (L,)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.step = 0
+        self.history: list[dict] = []
+        self.out = Path(cfg.out)
+
+    # ------------------------------------------------------------------ target pass
+    def target_pass(self, ex: Example) -> dict[str, torch.Tensor]:
+        """Everything the drafter needs from the frozen target for one sequence (no autograd)."""
+        t = self.target
+        t.reset()
+        out = t.forward(torch.tensor(ex.ids), logits_rows=slice(0, 0), hidden_layers=self.layers)
+        T = len(ex.ids)
+        K, V = t.kv(slice(0, T))  # [L, Hkv, T, d]
+        final = out.hidden[t.cfg.num_layers]
+        head = self.drafter.head
+        with torch.inference_mode():
+            target_logits = F.linear(final, head)  # over the drafter's vocabulary
+        res = {"k": K.permute(2, 0, 1, 3), "v": V.permute(2, 0, 1, 3), "final": final,
+               "probs": target_logits.softmax(-1), "argmax": t.lm_head(final).argmax(-1)}
+        if self.cfg.tli_layers:
+            N = self.cfg.tli_layers
+            res["mid"] = out.hidden[t.cfg.num_layers - N]
+            res["tail_k"], res["tail_v"] = K[-N:], V[-N:]
+        return {k: v.clone() for k, v in res.items()}  # leave inference mode: usable in autograd
+
+    # ------------------------------------------------------------------ loss
+    def sequence_loss(self, ex: Example, every: int, curriculum: bool) -> tuple[torch.Tensor, dict]:
+        tp = self.target_pass(ex)
+        T = len(ex.ids)
+        tokens = torch.tensor([ex.ids])
+        start = moa.verification_starts(T, ex.prompt_len, every)[None]
+        ctx = self.drafter.encoder(tp["k"][None], tp["v"][None])
+        tail = (tp["tail_k"][None], tp["tail_v"][None]) if self.cfg.tli_layers else None
+        sa_mask = moa.sa_curriculum_mask(start)[0] if curriculum else None
+        out = self.drafter.forward_train(tokens, ctx, start, tail, sa_mask)
+        # row i predicts x_{i+1}: count rows whose next token is an assistant token
+        rows = torch.arange(T)
+        keep = (rows >= ex.prompt_len - 1) & (rows < T - 1)
+        logits = out.logits[0][keep]
+        ce = -(tp["probs"][keep] * logits.log_softmax(-1)).sum(-1).mean()
+        if self.cfg.tli_layers:
+            reg = 0.5 * F.smooth_l1_loss(out.hidden[0][keep], tp["mid"][keep]) + \
+                0.5 * F.smooth_l1_loss(out.final[0][keep], tp["final"][keep])
+        else:
+            reg = F.smooth_l1_loss(out.hidden[0][keep], tp["final"][keep])
+        loss = self.cfg.ce_weight * ce + reg
+        vocab = self.drafter.draft_vocab
+        pred = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
+        agree = pred == tp["argmax"][keep]
+        depth = (rows - start[0])[keep]
+        return loss, {"ce": ce.item(), "reg": reg.item(), "tokens": int(keep.sum()), "agree": agree, "depth": depth}
+
+    # ------------------------------------------------------------------ loop
+    def run(self, resume: bool = True) -> dict:
+        cfg = self.cfg
+        if resume and (self.out / "trainer.pt").exists():
+            self.load_state()
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train moa N={cfg.tli_layers}", unit="step")
+        t0, tokens = time.time(), 0
+        while self.step < cfg.steps:
+            for g in self.opt.param_groups:
+                g["lr"] = lr_at(self.step, cfg)
+            p_curriculum = max(0.0, 1.0 - self.step / (cfg.steps / 2))
+            self.opt.zero_grad(set_to_none=True)
+            total, stats = 0.0, []
+            for ex in self.rng.sample(self.train, min(cfg.batch_size, len(self.train))):
+                every = self.rng.randint(cfg.every_min, cfg.every_max)
+                loss, s = self.sequence_loss(ex, every, self.rng.random() < p_curriculum)
+                (loss / cfg.batch_size).backward()
+                total += loss.item() / cfg.batch_size
+                stats.append(s)
+                tokens += s["tokens"]
+            torch.nn.utils.clip_grad_norm_([p for p in self.drafter.parameters() if p.requires_grad], cfg.clip)
+            self.opt.step()
+            self.step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{tokens / (time.time() - t0):.0f}")
+            self.history.append({"step": self.step, "loss": total, "lr": lr_at(self.step - 1, cfg)})
+            if self.step % cfg.val_every == 0 or self.step == cfg.steps:
+                v = self.validate()
+                self.history[-1]["val"] = v
+                bar.write(f"step {self.step}: val loss {v['loss']:.4f} top-1 by depth {v['top1_by_depth']}")
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                self.save_state()
+        bar.close()
+        return {"steps": self.step, "train_tokens": tokens, "seconds": round(time.time() - t0, 1),
+                "final_val": next((h["val"] for h in reversed(self.history) if "val" in h), None)}
+
+    @torch.no_grad()
+    def validate(self, every: int = 7) -> dict:
+        """Validation loss and top-1 agreement with the target's greedy token at draft depth 1..6
+        (depth = steps ahead of the last verified context), with a fixed `every`."""
+        self.drafter.eval()
+        losses, agree, depth = [], [], []
+        for ex in self.val:
+            loss, s = self.sequence_loss(ex, every, curriculum=False)
+            losses.append(loss.item())
+            agree.append(s["agree"])
+            depth.append(s["depth"])
+        self.drafter.train()
+        agree_t, depth_t = torch.cat(agree), torch.cat(depth)
+        by_depth = {d: round(agree_t[depth_t == d].float().mean().item(), 4) for d in range(1, 7)
+                    if (depth_t == d).any()}
+        return {"loss": round(sum(losses) / max(1, len(losses)), 5), "top1_by_depth": by_depth}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        moa.save(self.drafter, self.out / "drafter")
+        torch.save({"step": self.step, "opt": self.opt.state_dict(), "rng": self.rng.getstate(),
+                    "torch_rng": torch.get_rng_state(), "history": self.history, "config": asdict(self.cfg)},
+                   self.out / "trainer.pt")
+
+    def load_state(self) -> None:
+        state = torch.load(self.out / "trainer.pt", weights_only=False)
+        fresh = moa.load(self.out / "drafter", self.target, self.cfg.model, self.drafter.cfg.target_fingerprint)
+        self.drafter.load_state_dict(fresh.state_dict())
+        self.opt.load_state_dict(state["opt"])
+        self.rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.history = state["step"], state["history"]
