@@ -1,0 +1,182 @@
+"""The speculative engine end to end on SmolLM2: greedy speculative decoding must reproduce plain greedy
+decoding token for token, whatever the drafter and tree; plus EOS, max_new_tokens, stop strings,
+streaming and metrics.
+
+A divergence from plain greedy is tolerated only at a documented near-tie: the plain run's own top-2
+logit margin at the first differing token is below NEAR_TIE (then float round-off between a 1-row and
+a tree pass may legitimately flip the argmax); it is reported with `warnings.warn`.
+
+The full drafter x tree x prompt matrix takes ~8 minutes on two shared cores, so the default run covers
+every prompt with every drafter but alternates the tree shape between prompts; `pytest -m slow` runs
+the remaining half.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+from conftest import NEAR_TIE, assert_same_or_near_tie, first_divergence, top2_margin
+from prompts import PROMPTS
+
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.tree import TreeConfig
+
+MAX_NEW = 64
+TREES = {"default": TreeConfig(), "chain": TreeConfig(topk=1)}
+
+
+@contextmanager
+def tree_shape(dec, tree: TreeConfig):
+    old = dec.engine.tree
+    dec.engine.tree = tree
+    try:
+        yield dec
+    finally:
+        dec.engine.tree = old
+
+
+def check_metrics(g, tree: TreeConfig) -> None:
+    m = g.metrics
+    assert m.new_tokens == len(g.token_ids)
+    assert m.prompt_tokens == len(g.prompt_ids)
+    assert m.target_calls == len(m.accept_lengths)
+    assert all(1 <= a <= tree.depth + 1 for a in m.accept_lengths), m.accept_lengths
+    # the first token comes from the prefill; each call then emits its accepted drafts + 1 (maybe cut)
+    assert sum(m.accept_lengths) + 1 >= m.new_tokens
+
+
+def _cases():
+    """(drafter, tree name, prompt index): the default run alternates tree shapes so that every prompt
+    meets every drafter and both shapes are covered by both drafters."""
+    for drafter in ("lookup", "model"):
+        for tree in TREES:
+            for i in range(len(PROMPTS)):
+                fast = (i % 2 == 0) == ((tree == "default") == (drafter == "lookup"))
+                marks = () if fast else (pytest.mark.slow,)
+                yield pytest.param(drafter, tree, i, marks=marks, id=f"{drafter}-{tree}-p{i:02d}")
+
+
+@pytest.mark.parametrize(("drafter", "tree", "index"), list(_cases()))
+def test_greedy_speculative_equals_plain(decoders, plain_greedy, drafter, tree, index):
+    prompt_ids, plain = plain_greedy(PROMPTS[index], MAX_NEW)
+    dec = decoders[drafter]
+    with tree_shape(dec, TREES[tree]):
+        g = dec.generate(prompt_ids, GenerationConfig(max_new_tokens=MAX_NEW))
+    assert g.prompt_ids == prompt_ids
+    check_metrics(g, TREES[tree])
+    assert_same_or_near_tie(decoders["none"].target, prompt_ids, plain, g.token_ids,
+                            f"{drafter}/{tree}, prompt {index}")
+
+
+def test_divergence_check_has_teeth(dec_none, plain_greedy):
+    """The near-tie escape hatch only opens at a real near-tie: a changed token at a confident position
+    is reported as a failure carrying the margin."""
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([1, 2, 3], [1, 2]) == 2
+    prompt_ids, plain = plain_greedy(PROMPTS[5], MAX_NEW)
+    margins = [top2_margin(dec_none.target, prompt_ids + plain[:k])[0] for k in (8, 16)]
+    k = (8, 16)[margins.index(max(margins))]
+    assert max(margins) > NEAR_TIE
+    other = [*plain[:k], (plain[k] + 1) % dec_none.target.cfg.vocab_size, *plain[k + 1:]]
+    with pytest.raises(AssertionError, match=f"at new token {k} .*margin there = "):
+        assert_same_or_near_tie(dec_none.target, prompt_ids, plain, other, "mutated")
+    with pytest.raises(AssertionError, match="margin"):
+        assert_same_or_near_tie(dec_none.target, prompt_ids, plain, plain[:k], "truncated")
+
+
+def test_self_drafting_accepts_everything(dec_model, plain_greedy):
+    """SmolLM2 drafting for itself at T=0: every drafted token is the target's argmax."""
+    tree = TreeConfig(depth=4, topk=1, total_tokens=4)
+    prompt_ids, plain = plain_greedy(PROMPTS[5], MAX_NEW)  # an explanation: runs the full 64 tokens
+    with tree_shape(dec_model, tree):
+        g = dec_model.generate(prompt_ids, GenerationConfig(max_new_tokens=MAX_NEW))
+    assert g.finish_reason == "length" and len(g.token_ids) == MAX_NEW
+    check_metrics(g, tree)
+    m = g.metrics
+    assert m.tau >= 4.5, m.accept_lengths
+    assert_same_or_near_tie(dec_model.target, prompt_ids, plain, g.token_ids, "self-drafting")
+
+
+# --------------------------------------------------------------------------- EOS, length, stop strings
+SHORT = "What is the capital of France? Answer in one word."
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model"])
+def test_eos_stops_and_is_not_emitted(decoders, drafter):
+    dec = decoders[drafter]
+    g = dec.generate(SHORT, GenerationConfig(max_new_tokens=48))
+    eos = set(dec.target.cfg.eos_token_ids)
+    assert eos
+    assert g.finish_reason == "stop"
+    assert 0 < len(g.token_ids) < 48
+    assert not eos & set(g.token_ids)
+    _, argmax = top2_margin(dec.target, g.prompt_ids + g.token_ids)
+    assert argmax in eos  # the target really wanted to stop there
+    assert g.metrics.new_tokens == len(g.token_ids)
+    assert g.text == dec.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model"])
+def test_max_new_tokens_is_exact(decoders, plain_greedy, drafter):
+    prompt_ids, plain = plain_greedy(PROMPTS[5], MAX_NEW)
+    dec = decoders[drafter]
+    for n in (1, 2, 5, 13):
+        g = dec.generate(prompt_ids, GenerationConfig(max_new_tokens=n))
+        assert len(g.token_ids) == n and g.metrics.new_tokens == n, (n, g.token_ids)
+        assert g.finish_reason == "length"
+        assert g.token_ids == plain[:n]
+    # ignore_eos runs through the EOS the target wants to emit
+    g = dec.generate(SHORT, GenerationConfig(max_new_tokens=12, ignore_eos=True))
+    assert len(g.token_ids) == 12 and g.finish_reason == "length"
+    assert set(dec.target.cfg.eos_token_ids) & set(g.token_ids)
+
+
+def _stop_string(dec, ids: list[int], k: int, n_tokens: int) -> tuple[str, str]:
+    """The text of tokens k..k+n_tokens-1 of a plain greedy output, if it first occurs exactly there;
+    returns (stop string, the full text cut before it)."""
+    text = dec.tokenizer.decode(ids, skip_special_tokens=True)
+    for start in range(k, len(ids) - n_tokens):
+        s = dec.tokenizer.decode(ids[start:start + n_tokens], skip_special_tokens=True)
+        at = len(dec.tokenizer.decode(ids[:start], skip_special_tokens=True))
+        if len(s.strip()) >= 3 and text.find(s) == at and text[at:at + len(s)] == s:
+            return s, text[:at]
+    raise AssertionError("no usable stop string in the output")
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model"])
+def test_stop_string_single_token(decoders, plain_greedy, drafter):
+    prompt_ids, plain = plain_greedy(PROMPTS[0], MAX_NEW)
+    dec = decoders[drafter]
+    stop, expected = _stop_string(dec, plain, 20, 1)
+    g = dec.generate(prompt_ids, GenerationConfig(max_new_tokens=MAX_NEW, stop=("<never>", stop)))
+    assert g.finish_reason == "stop"
+    assert g.text == expected
+    assert stop not in g.text
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "SpecDecoder.stream yields text before checking whether its tail starts a stop string, so a stop "
+    "string spanning two rounds (always the case with plain decoding) leaks its first part into the text"))
+def test_stop_string_spanning_tokens(decoders, plain_greedy):
+    prompt_ids, plain = plain_greedy(PROMPTS[0], MAX_NEW)
+    dec = decoders["none"]
+    stop, expected = _stop_string(dec, plain, 20, 3)
+    g = dec.generate(prompt_ids, GenerationConfig(max_new_tokens=MAX_NEW, stop=(stop,)))
+    assert g.finish_reason == "stop"
+    assert g.text == expected
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model"])
+def test_stream_concatenates_to_generate(decoders, drafter):
+    dec = decoders[drafter]
+    cfg = GenerationConfig(max_new_tokens=24)
+    prompt = PROMPTS[13]
+    parts = list(dec.stream(prompt, cfg))
+    g = dec.generate(prompt, cfg)
+    assert "".join(p[0] for p in parts) == g.text
+    assert [t for p in parts for t in p[1]] == g.token_ids
+    reasons = [p[2] for p in parts]
+    assert reasons[-1] == g.finish_reason and all(r is None for r in reasons[:-1])
+    assert len(parts) > 1

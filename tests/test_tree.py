@@ -1,0 +1,252 @@
+"""Draft trees: the Tree data structure, EAGLE-2 growth (grow_tree) and the prompt-lookup drafter."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
+from moaspec.drafters.lookup import LookupDrafter
+from moaspec.errors import UserError
+
+
+# --------------------------------------------------------------------------- Tree
+def _hand_tree() -> Tree:
+    #        0
+    #      /   \
+    #     1     2
+    #    / \
+    #   3   4
+    #   |
+    #   5
+    return Tree([10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 1, 3])
+
+
+def test_tree_structure():
+    t = _hand_tree()
+    assert len(t) == 6
+    assert t.depths == [0, 1, 1, 2, 2, 3]
+    assert t.children == [[1, 2], [3, 4], [], [5], [], []]
+    assert t.scores == [0.0] * 6
+
+
+def test_tree_mask():
+    ancestors_or_self = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 1, 3, 5}}
+    expected = torch.tensor([[j in ancestors_or_self[i] for j in range(6)] for i in range(6)])
+    m = _hand_tree().mask()
+    assert m.dtype == torch.bool and m.shape == (6, 6)
+    assert torch.equal(m, expected)
+
+
+def test_tree_positions_and_paths():
+    t = _hand_tree()
+    assert t.positions(7).tolist() == [7, 8, 8, 9, 9, 10]
+    assert t.positions(0).dtype == torch.long
+    assert t.path_to(0) == [0]
+    assert t.path_to(2) == [0, 2]
+    assert t.path_to(4) == [0, 1, 4]
+    assert t.path_to(5) == [0, 1, 3, 5]
+
+
+def test_chain():
+    t = Tree.chain(5, [6, 7, 8])
+    assert t.tokens == [5, 6, 7, 8] and t.parents == [-1, 0, 1, 2]
+    assert t.path_to(3) == [0, 1, 2, 3]
+    assert torch.equal(t.mask(), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert len(Tree.chain(5)) == 1
+
+
+@pytest.mark.parametrize("parents", [[-1, 2, 0], [-1, 1], [-1, -1], [-1, 0, 3, 1]], ids=str)
+def test_tree_rejects_parent_not_before_child(parents):
+    with pytest.raises(ValueError):
+        Tree(list(range(len(parents))), parents)
+
+
+@pytest.mark.parametrize("kw", [{"depth": -1}, {"topk": 0}, {"total_tokens": -1}], ids=str)
+def test_tree_config_validation(kw):
+    with pytest.raises(UserError):
+        TreeConfig(**kw)
+
+
+# --------------------------------------------------------------------------- grow_tree
+V = 7  # a tiny drafter vocabulary
+
+
+def _logprobs(path: tuple[int, ...]) -> torch.Tensor:
+    """A fixed, arbitrary next-token distribution for each path of drafter-vocab indices."""
+    g = torch.Generator().manual_seed(hash((12345, *path)) % (2**31))
+    return torch.log_softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2.0, -1).float()
+
+
+class SyntheticDrafter:
+    """expand() for grow_tree: looks up `_logprobs` of each frontier node's path; records its calls."""
+
+    def __init__(self, vocab: torch.Tensor | None = None):
+        self.inverse = None if vocab is None else {int(t): i for i, t in enumerate(vocab)}
+        self.calls: list[list[int]] = []
+
+    def path(self, tree: Tree, node: int) -> tuple[int, ...]:
+        toks = [tree.tokens[i] for i in tree.path_to(node)[1:]]
+        return tuple(toks if self.inverse is None else [self.inverse[t] for t in toks])
+
+    def __call__(self, tree: Tree, frontier: list[int]) -> torch.Tensor:
+        assert frontier and all(0 < f < len(tree) for f in frontier)
+        self.calls.append(list(frontier))
+        return torch.stack([_logprobs(self.path(tree, f)) for f in frontier])
+
+
+def _reference_candidates(cfg: TreeConfig) -> dict[tuple[int, ...], float]:
+    """EAGLE-2 expansion written out independently: all candidate paths with cumulative log-probs."""
+    k = min(cfg.topk, V)
+    lp = _logprobs(()).double()
+    top = lp.topk(k)
+    frontier = {(int(i),): float(v) for v, i in zip(top.values, top.indices, strict=True)}
+    cands = dict(frontier)
+    for _ in range(1, cfg.depth):
+        new = {}
+        for path, score in frontier.items():
+            top = (_logprobs(path).double() + score).topk(k)
+            new.update({(*path, int(i)): float(v) for v, i in zip(top.values, top.indices, strict=True)})
+        cands.update(new)
+        frontier = dict(sorted(new.items(), key=lambda kv: -kv[1])[:k])
+    return cands
+
+
+CONFIGS = [
+    TreeConfig(depth=1, topk=3, total_tokens=2),
+    TreeConfig(depth=3, topk=2, total_tokens=5),
+    TreeConfig(depth=4, topk=3, total_tokens=10),
+    TreeConfig(depth=4, topk=4, total_tokens=6),
+    TreeConfig(depth=5, topk=2, total_tokens=100),  # more room than candidates: keep them all
+    TreeConfig(depth=3, topk=10, total_tokens=8),  # topk larger than the vocabulary
+    TreeConfig(depth=6, topk=1, total_tokens=6),  # a chain
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.depth}k{c.topk}n{c.total_tokens}")
+def test_grow_tree_shape_and_selection(cfg):
+    root = 3
+    drafter = SyntheticDrafter()
+    tree = grow_tree(root, _logprobs(()), drafter, cfg)
+    k = min(cfg.topk, V)
+
+    assert tree.tokens[0] == root and tree.parents[0] == -1
+    assert all(0 <= p < i for i, p in enumerate(tree.parents) if i)  # parents before children
+    assert max(tree.depths) <= cfg.depth
+    assert len(tree) - 1 <= cfg.total_tokens
+    assert all(len(c) <= k for c in tree.children)
+    for node in range(len(tree)):  # siblings are distinct tokens
+        kids = [tree.tokens[c] for c in tree.children[node]]
+        assert len(kids) == len(set(kids))
+    # the expansion: depth-1 calls, each with at most k frontier nodes
+    assert len(drafter.calls) == cfg.depth - 1
+    assert all(1 <= len(f) <= k for f in drafter.calls)
+
+    # scores are the cumulative log-probs along each path
+    paths = {node: drafter.path(tree, node) for node in range(1, len(tree))}
+    for node, path in paths.items():
+        expected = sum(float(_logprobs(path[:i])[path[i]]) for i in range(len(path)))
+        assert tree.scores[node] == pytest.approx(expected, abs=1e-4)
+
+    # the kept set is exactly the top-`total_tokens` candidates by cumulative score
+    cands = _reference_candidates(cfg)
+    best = sorted(cands, key=lambda p: -cands[p])[: cfg.total_tokens]
+    assert sorted(paths.values()) == sorted(best)
+    assert len(tree) - 1 == min(cfg.total_tokens, len(cands))
+
+
+def test_grow_tree_trivial_configs():
+    for cfg in (TreeConfig(depth=0), TreeConfig(total_tokens=0)):
+        drafter = SyntheticDrafter()
+        tree = grow_tree(9, _logprobs(()), drafter, cfg)
+        assert tree.tokens == [9] and tree.parents == [-1]
+        assert drafter.calls == []
+
+
+def test_grow_tree_vocab_map():
+    """A trimmed drafter vocabulary: indices are mapped to target ids; the structure is unchanged."""
+    vocab = torch.tensor([101, 57, 230, 14, 999, 3, 77])
+    cfg = TreeConfig(depth=4, topk=3, total_tokens=9)
+    plain = grow_tree(5, _logprobs(()), SyntheticDrafter(), cfg)
+    mapped = grow_tree(5, _logprobs(()), SyntheticDrafter(vocab), cfg, vocab=vocab)
+    assert mapped.tokens[0] == 5  # the root is already a target id
+    assert mapped.tokens[1:] == [int(vocab[t]) for t in plain.tokens[1:]]
+    assert mapped.parents == plain.parents
+    assert mapped.scores == pytest.approx(plain.scores)
+
+
+# --------------------------------------------------------------------------- LookupDrafter
+def _lookup(context: list[int], root: int, cfg: TreeConfig, **kw) -> Tree:
+    d = LookupDrafter(**kw)
+    d.begin(context[:3])
+    d.observe(context[3:])  # the context arrives in two parts, as in a generation
+    return d.propose(root, cfg)
+
+
+def test_lookup_continues_repeated_ngram():
+    context = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2]
+    tree = _lookup(context, 3, TreeConfig(depth=4, topk=4, total_tokens=10))
+    assert tree.tokens == [3, 4, 5, 6, 9] and tree.parents == [-1, 0, 1, 2, 3]
+
+
+def test_lookup_respects_depth_and_total_tokens():
+    context = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2]
+    assert _lookup(context, 3, TreeConfig(depth=2, topk=4, total_tokens=10)).tokens == [3, 4, 5]
+    assert _lookup(context, 3, TreeConfig(depth=4, topk=4, total_tokens=1)).tokens == [3, 4]
+    # two matches of (7, 8): the most recent continuation first, then the older one as a sibling
+    context = [7, 8, 1, 2, 0, 7, 8, 3, 4, 0, 5, 7]
+    both = _lookup(context, 8, TreeConfig(depth=4, topk=4, total_tokens=10))
+    assert both.tokens == [8, 3, 4, 0, 5, 1, 2, 0, 7]
+    assert both.parents == [-1, 0, 1, 2, 3, 0, 5, 6, 7]
+    assert _lookup(context, 8, TreeConfig(depth=4, topk=1, total_tokens=10)).tokens == [8, 3, 4, 0, 5]
+    cut = _lookup(context, 8, TreeConfig(depth=4, topk=4, total_tokens=6))
+    assert cut.tokens == [8, 3, 4, 0, 5, 1, 2]
+
+
+def test_lookup_shares_common_prefixes():
+    context = [1, 2, 5, 6, 1, 2, 5, 7, 1]
+    tree = _lookup(context, 2, TreeConfig(depth=4, topk=4, total_tokens=10))
+    assert tree.tokens == [2, 5, 7, 1, 2, 6, 1, 2]
+    assert tree.parents == [-1, 0, 1, 2, 3, 1, 5, 6]
+
+
+def test_lookup_longest_ngram_wins():
+    # (4, 5, 6) occurred once, followed by 7; the single token 6 also occurred followed by 9
+    context = [6, 9, 9, 4, 5, 6, 7, 0, 4, 5]
+    tree = _lookup(context, 6, TreeConfig(depth=2, topk=4, total_tokens=10))
+    assert tree.tokens == [6, 7, 0]
+
+
+def test_lookup_no_match_gives_root_only():
+    assert _lookup([1, 2, 3, 4], 5, TreeConfig()).tokens == [5]
+    d = LookupDrafter()
+    d.begin([])
+    assert d.propose(5, TreeConfig()).tokens == [5]
+
+
+def _contains(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lookup_random_contexts(seed):
+    """On random token streams, every proposal is a valid tree within the limits whose every path
+    (root included) was actually seen in the context."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        context = [rng.randrange(6) for _ in range(rng.randrange(0, 60))]
+        root = rng.randrange(6)
+        cfg = TreeConfig(depth=rng.randrange(0, 6), topk=rng.randrange(1, 5), total_tokens=rng.randrange(0, 12))
+        tree = _lookup(context, root, cfg)
+        assert tree.tokens[0] == root
+        assert len(tree) - 1 <= cfg.total_tokens
+        assert max(tree.depths) <= cfg.depth
+        leaves = [i for i in range(len(tree)) if not tree.children[i]]
+        assert len(tree) == 1 or len(leaves) <= cfg.topk
+        for node in range(1, len(tree)):
+            path = [tree.tokens[i] for i in tree.path_to(node)]
+            assert _contains([*context, root], path), (context, root, path)
+        # any earlier occurrence of the root is a 1-gram match with at least one token after it
+        assert (len(tree) > 1) == (root in context and cfg.depth > 0 and cfg.total_tokens > 0)
