@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +32,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
+from moaspec.drafters.layers import (
+    CrossAttentionLayer,
+    DecoderLayer,
+    FrozenTargetLayer,
+    KVCache,
+    rope,
+)
 from moaspec.errors import UserError
-from moaspec.models.linear import Linear
-from moaspec.models.runtime import Layer, ModelConfig, Transformer, apply_rope, rms_norm, rope_tables
+from moaspec.models.runtime import ModelConfig, Transformer, rms_norm
 
 KIND = "moa"
 FORMAT_VERSION = 1
@@ -142,192 +148,6 @@ class MoAConfig:
                             f"from the loaded target's ({bad})")
 
 
-@dataclass(frozen=True)
-class _Rope:  # what `rope_tables` reads from a ModelConfig
-    rope_theta: float
-    head_dim: int
-
-
-def _rope(theta: float, head_dim: int, length: int, device: torch.device | str | None = None):
-    return rope_tables(cast(ModelConfig, _Rope(theta, head_dim)), length, torch.device(device or "cpu"))
-
-
-# ----------------------------------------------------------------------------- building blocks
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-class KVCache:
-    """A static batch-1 K/V buffer [1, heads, size, head_dim]; callers track which slots are live."""
-
-    def __init__(self, heads: int, size: int, head_dim: int, device: torch.device, dtype: torch.dtype):
-        self.k = torch.zeros(1, heads, size, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-
-    @property
-    def size(self) -> int:
-        return self.k.shape[2]
-
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [1, heads, n, d] at slots [start, start + n); return the slots [0, start + n)."""
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [B, H, n, hd], k/v [B, Hkv, m, hd]; mask bool [n, m] or [B, n, m], True = may attend."""
-    if mask is not None and mask.dim() == 3:
-        mask = mask[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
-def _split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    b, n, _ = x.shape
-    return x.view(b, n, heads, head_dim).transpose(1, 2)
-
-
-def _merge_heads(x: torch.Tensor) -> torch.Tensor:
-    b, h, n, d = x.shape
-    return x.transpose(1, 2).reshape(b, n, h * d)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm self-attention decoder layer with GQA, RoPE and a SwiGLU MLP (SA and LSA)."""
-
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp: int, eps: float):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.input_norm = RMSNorm(dim, eps)
-        self.q = nn.Linear(dim, heads * head_dim, bias=False)
-        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(heads * head_dim, dim, bias=False)
-        self.post_norm = RMSNorm(dim, eps)
-        self.mlp = SwiGLU(dim, mlp)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        start: int = 0,
-    ) -> torch.Tensor:
-        """x [B, n, dim]; cos/sin [n, head_dim] at the rows' positions. With a cache (B = 1) the rows'
-        K/V are written at slots [start, start + n) and attention covers slots [0, start + n)."""
-        h = self.input_norm(x)
-        q = apply_rope(_split_heads(self.q(h), self.heads, self.head_dim), cos, sin)
-        k = apply_rope(_split_heads(self.k(h), self.kv_heads, self.head_dim), cos, sin)
-        v = _split_heads(self.v(h), self.kv_heads, self.head_dim)
-        if cache is not None:
-            k, v = cache.update(start, k, v)
-        x = x + self.o(_merge_heads(_attention(q, k, v, mask)))
-        return x + self.mlp(self.post_norm(x))
-
-
-class CrossAttentionLayer(nn.Module):
-    """Queries from the SA stream, keys/values from the context vectors of verified tokens; the same
-    input RMSNorm is applied to both streams; RoPE at absolute positions on queries and keys."""
-
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp: int, eps: float):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.input_norm = RMSNorm(dim, eps)
-        self.q = nn.Linear(dim, heads * head_dim, bias=False)
-        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(heads * head_dim, dim, bias=False)
-        self.post_norm = RMSNorm(dim, eps)
-        self.mlp = SwiGLU(dim, mlp)
-
-    def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """c [B, m, dim] context vectors at positions given by cos/sin -> k, v [B, kv_heads, m, head_dim]."""
-        h = self.input_norm(c)
-        k = apply_rope(_split_heads(self.k(h), self.kv_heads, self.head_dim), cos, sin)
-        return k, _split_heads(self.v(h), self.kv_heads, self.head_dim)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        q = apply_rope(_split_heads(self.q(self.input_norm(x)), self.heads, self.head_dim), cos, sin)
-        x = x + self.o(_merge_heads(_attention(q, k, v, mask)))
-        return x + self.mlp(self.post_norm(x))
-
-
-def _frozen_linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-    """A target Linear on x [..., in]. F.linear on the fp32 (or accelerator) weight keeps autograd working
-    for training through the frozen layers; fbgemm fp16-packed weights (CPU "fp16" mode) have no autograd."""
-    if lin.weight is not None:
-        return F.linear(x.to(lin.weight.dtype), lin.weight, lin.bias).float()
-    return lin(x.reshape(-1, lin.in_features)).view(*x.shape[:-1], lin.out_features)
-
-
-class FrozenTargetLayer:
-    """One of the target's real last layers run on drafter positions (TLI). Shares the target's weights
-    (never trained, not in the drafter's state dict); its keys/values are the target's cached K/V of the
-    verified tokens followed by the drafted positions' own K/V. Same math as `Transformer.layer_forward`."""
-
-    def __init__(self, layer: Layer, cfg: ModelConfig):
-        self.layer, self.cfg = layer, cfg
-
-    @property
-    def trainable(self) -> bool:  # gradients can flow through it to the CA output
-        return all(lin.weight is not None for lin in (self.layer.q, self.layer.k, self.layer.v, self.layer.o,
-                                                      self.layer.gate, self.layer.up, self.layer.down))
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        start: int = 0,
-        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """x [B, n, D]. Keys/values: with `cache` (B = 1) the rows' K/V are written at [start, start + n)
-        and slots [0, start + n) are attended; with `prefix` (K, V [B, Hkv, m, d], the target's) the
-        attended keys are prefix then the rows' own."""
-        c, lay = self.cfg, self.layer
-        h = rms_norm(x, lay.ln1, c.rms_eps)
-        q = apply_rope(_split_heads(_frozen_linear(lay.q, h), c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(_split_heads(_frozen_linear(lay.k, h), c.num_kv_heads, c.head_dim), cos, sin)
-        v = _split_heads(_frozen_linear(lay.v, h), c.num_kv_heads, c.head_dim)
-        if cache is not None:
-            k, v = cache.update(start, k, v)
-        elif prefix is not None:
-            k, v = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
-        x = x + _frozen_linear(lay.o, _merge_heads(_attention(q, k, v, mask)))
-        h = rms_norm(x, lay.ln2, c.rms_eps)
-        return x + _frozen_linear(lay.down, F.silu(_frozen_linear(lay.gate, h)) * _frozen_linear(lay.up, h))
-
-
 # ----------------------------------------------------------------------------- training masks
 def verification_starts(T: int, prompt_len: int | torch.Tensor, every: int | torch.Tensor) -> torch.Tensor:
     """start[i]: the last verified slot whose context row i may read (PAPER.md section 4).
@@ -402,7 +222,7 @@ class ContextEncoder(nn.Module):
         E = cfg.lsa_hidden
         self.lsa = DecoderLayer(E, cfg.lsa_heads, cfg.lsa_kv_heads, cfg.lsa_head_dim, cfg.lsa_mlp, cfg.rms_eps)
         self.proj = nn.Linear(E, cfg.hidden_size, bias=True)
-        cos, sin = _rope(cfg.rope_theta, cfg.lsa_head_dim, cfg.num_layers)  # positions 0..L-1 = layers
+        cos, sin = rope(cfg.rope_theta, cfg.lsa_head_dim, cfg.num_layers)  # positions 0..L-1 = layers
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -456,7 +276,7 @@ class MoADrafter(nn.Module):
         self.encoder = ContextEncoder(cfg)
         self.register_buffer("vocab_ids", torch.arange(cfg.vocab_ids))  # placeholder ids; see set_vocab_ids
         for name, hd in (("sa", cfg.sa_head_dim), ("ca", cfg.ca_head_dim)):
-            cos, sin = _rope(cfg.rope_theta, hd, max_seq_len)
+            cos, sin = rope(cfg.rope_theta, hd, max_seq_len)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
             self.register_buffer(f"{name}_sin", sin, persistent=False)
         self.apply(self._init_weights)

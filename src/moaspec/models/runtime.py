@@ -73,9 +73,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope_tables(cfg: ModelConfig, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device) / cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta**exponents)
+def rope_tables(theta: float, head_dim: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv = 1.0 / (theta**exponents)
     freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -148,7 +148,7 @@ class Transformer:
         self.lm_head = Linear(head, None, weights)
         del w
         self.max_seq_len = min(max_seq_len, cfg.max_position)
-        self.cos, self.sin = rope_tables(cfg, self.max_seq_len, self.device)
+        self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
         shape = (cfg.num_layers, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device)
         self.v_cache = torch.zeros(shape, device=self.device)
