@@ -105,14 +105,18 @@ class SpecDecoder:
             tokens.extend(chunk.tokens)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             finish = chunk.finish_reason
-            hit = [text.find(s, max(0, len(shown) - len(s))) for s in cfg.stop]
-            hit = [h for h in hit if h >= 0]
-            if hit:
-                text, finish = text[: min(hit)], "stop"
-            elif finish is None and text.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 character: wait for its other bytes
-            yield text[len(shown):], chunk.tokens, finish
-            shown = text
+            hits = [h for s in cfg.stop if (h := text.find(s, max(0, len(shown) - len(s) + 1))) >= 0]
+            if hits:
+                text, finish = text[: min(hits)], "stop"
+            hold = 0
+            if finish is None:
+                # hold back an incomplete UTF-8 character, or a tail that may begin a stop string
+                hold = max((k for s in cfg.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+                if text.endswith("\ufffd"):
+                    hold = max(hold, 1)
+            visible = text[: len(text) - hold]
+            yield visible[len(shown):], chunk.tokens, finish
+            shown = visible
             if finish is not None:
                 return
 
