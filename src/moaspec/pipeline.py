@@ -55,6 +55,7 @@ class SpecDecoder:
         model: str = "smollm2-135m",
         drafter: str = "none",
         draft_model: str | None = None,
+        drafter_path: str | None = None,
         weights: WeightMode = "fp32",
         tree: TreeConfig | None = None,
         max_seq_len: int = 4096,
@@ -66,7 +67,7 @@ class SpecDecoder:
         self.folder = resolve(model)
         self.tokenizer = load_tokenizer(self.folder)
         self.target = Transformer(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
-        self.drafter = build_drafter(drafter, self, draft_model=draft_model)
+        self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path)
         self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
                              self.drafter, tree)
         if warmup:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moaspec.errors import UserError
@@ -10,7 +11,8 @@ if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
     from moaspec.pipeline import SpecDecoder
 
-DRAFTERS = ("none", "lookup", "model")
+DRAFTERS = ("none", "lookup", "model", "moa")
+TRAINED = {"moa"}  # drafters loaded from a checkpoint folder
 
 # The same-tokenizer draft model a target gets when `--draft-model` is not given. SmolLM2 drafts
 # for itself: useless for speed, but every draft is then accepted at T=0, a sharp engine test.
@@ -20,7 +22,13 @@ DEFAULT_DRAFT_MODEL = {
 }
 
 
-def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None) -> Drafter | None:
+def shipped_checkpoint(kind: str, model: str) -> Path:
+    """Where the checkpoint of a drafter kind trained for a target ships inside the package."""
+    return Path(__file__).resolve().parent.parent / "checkpoints" / model / kind
+
+
+def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None,
+                  drafter_path: str | None = None) -> Drafter | None:
     if name == "none":
         return None
     if name == "lookup":
@@ -43,4 +51,15 @@ def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None) -
         model = Transformer(folder, weights=dec.target.weights, device=dec.target.device,
                             max_seq_len=dec.target.max_seq_len)
         return DraftModelDrafter(model)
+    if name == "moa":
+        from moaspec.drafters import moa
+        from moaspec.models.store import weights_fingerprint
+
+        folder = Path(drafter_path) if drafter_path else shipped_checkpoint(name, dec.model_name)
+        if not folder.exists():
+            raise UserError(
+                f"no {name} drafter for {dec.model_name!r} at {folder}: train one with "
+                f"`moaspec train --model {dec.model_name}` and pass --drafter-path, or use --drafter lookup"
+            )
+        return moa.load(folder, dec.target, dec.model_name, weights_fingerprint(dec.folder))
     raise UserError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
