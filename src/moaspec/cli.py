@@ -73,12 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after this many minutes; run again to resume")
     d.set_defaults(func=cmd_data)
 
-    tr = sub.add_parser("train", help="train an MoA drafter for a target (target in the loop)",
+    tr = sub.add_parser("train", help="train a drafter (MoA, EAGLE-2, independent) for a target",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     tr.add_argument("--model", default=DEFAULT_MODEL)
     tr.add_argument("--data", required=True, help="folder with train.jsonl / val.jsonl (from `moaspec data`)")
     tr.add_argument("--out", required=True, help="run folder: checkpoints, trainer state (resumes), history")
-    tr.add_argument("--tli", type=int, default=0, choices=(0, 1, 3), help="Target Layer Inference N")
+    tr.add_argument("--kind", default="moa", choices=("moa", "eagle", "independent"),
+                    help="drafter to train; the baselines use the same data, loop and budget")
+    tr.add_argument("--tli", type=int, default=0, choices=(0, 1, 3), help="MoA Target Layer Inference N")
     tr.add_argument("--vocab", type=int, default=16384, help="trimmed drafter head size K (0 = full)")
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--batch-size", type=int, default=4)
@@ -371,7 +373,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from moaspec.training.train import TrainConfig, Trainer
 
     _check_model_name(args.model, "--model")
-    cfg = TrainConfig(model=args.model, data=args.data, out=args.out, tli_layers=args.tli, vocab_ids=args.vocab,
+    cfg = TrainConfig(model=args.model, data=args.data, out=args.out, kind=args.kind, tli_layers=args.tli,
+                      vocab_ids=args.vocab,
                       steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       seed=args.seed, val_every=args.val_every)
     print(json.dumps(Trainer(cfg).run()))

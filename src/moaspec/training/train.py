@@ -1,4 +1,5 @@
-"""On-policy MoA training with the target in the loop (PAPER.md section 4).
+"""Drafter training with the target in the loop: MoA on-policy (PAPER.md section 4), and the EAGLE-2
+and independent baselines with the same data, loop, loss weights and budget.
 
 Why the target runs in the loop instead of from cached features: on this CPU one epoch is all a
 working session affords, so a feature cache would be read once and pay nothing back, while it costs
@@ -25,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from moaspec.drafters import moa
+from moaspec.drafters import eagle, independent, moa
 from moaspec.errors import UserError
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve, weights_fingerprint
+
+KINDS = {"moa": moa, "eagle": eagle, "independent": independent}
 
 
 @dataclass
@@ -36,6 +39,7 @@ class TrainConfig:
     model: str = "smollm2-135m"
     data: str = ""  # folder with train.jsonl / val.jsonl (training.data)
     out: str = "runs/moa"
+    kind: str = "moa"  # "moa", "eagle" or "independent": same data, loop and budget
     tli_layers: int = 0
     vocab_ids: int = 16384  # trimmed drafter head (0 = full vocabulary)
     steps: int = 300
@@ -106,15 +110,25 @@ class Trainer:
         data = Path(cfg.data)
         if not (data / "train.jsonl").exists():
             raise UserError(f"no training data in {data}: run `moaspec data --model {cfg.model}` first")
+        if cfg.kind not in KINDS:
+            raise UserError(f"unknown drafter kind {cfg.kind!r}; choose one of {', '.join(KINDS)}")
         self.train = load_examples(self.tokenizer, data / "train.jsonl", cfg.max_len)
         self.val = load_examples(self.tokenizer, data / "val.jsonl", cfg.max_len)[: cfg.val_sequences]
         L = self.target.cfg.num_layers
-        mcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=cfg.tli_layers, vocab_ids=cfg.vocab_ids,
-                                        target_name=cfg.model, target_fingerprint=weights_fingerprint(folder))
         vocab = top_vocab(self.train, cfg.vocab_ids, self.target.cfg.vocab_size) if cfg.vocab_ids else None
-        self.drafter = moa.MoADrafter.from_target(self.target, mcfg, vocab)
+        self.module = KINDS[cfg.kind]
+        common = dict(vocab_ids=cfg.vocab_ids, target_name=cfg.model, target_fingerprint=weights_fingerprint(folder))
+        if cfg.kind == "moa":
+            dcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=cfg.tli_layers, **common)
+            self.drafter = moa.MoADrafter.from_target(self.target, dcfg, vocab)
+        elif cfg.kind == "eagle":
+            self.drafter = eagle.EagleDrafter.from_target(self.target, eagle.EagleConfig.for_target(
+                self.target.cfg, **common), vocab)
+        else:
+            self.drafter = independent.IndependentDrafter.from_target(
+                self.target, independent.IndependentConfig.for_target(self.target.cfg, **common), vocab)
         self.drafter.train()
-        self.layers = (L - cfg.tli_layers, L) if cfg.tli_layers else (L,)
+        self.layers = (L - cfg.tli_layers, L) if cfg.kind == "moa" and cfg.tli_layers else (L,)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.step = 0
@@ -135,7 +149,7 @@ class Trainer:
             target_logits = F.linear(final, head)  # over the drafter's vocabulary
         res = {"k": K.permute(2, 0, 1, 3), "v": V.permute(2, 0, 1, 3), "final": final,
                "probs": target_logits.softmax(-1), "argmax": t.lm_head(final).argmax(-1)}
-        if self.cfg.tli_layers:
+        if self.cfg.kind == "moa" and self.cfg.tli_layers:
             N = self.cfg.tli_layers
             res["mid"] = out.hidden[t.cfg.num_layers - N]
             res["tail_k"], res["tail_v"] = K[-N:], V[-N:]
@@ -143,37 +157,76 @@ class Trainer:
 
     # ------------------------------------------------------------------ loss
     def sequence_loss(self, ex: Example, every: int, curriculum: bool) -> tuple[torch.Tensor, dict]:
+        """Loss of one sequence and what validation reads: top-1 agreement with the target's greedy
+        token per loss row, and the draft depth of each row (steps ahead of the last verified token)."""
         tp = self.target_pass(ex)
         T = len(ex.ids)
-        tokens = torch.tensor([ex.ids])
-        start = moa.verification_starts(T, ex.prompt_len, every)[None]
-        ctx = self.drafter.encoder(tp["k"][None], tp["v"][None])
-        tail = (tp["tail_k"][None], tp["tail_v"][None]) if self.cfg.tli_layers else None
-        sa_mask = moa.sa_curriculum_mask(start)[0] if curriculum else None
-        out = self.drafter.forward_train(tokens, ctx, start, tail, sa_mask)
-        # row i predicts x_{i+1}: count rows whose next token is an assistant token
         rows = torch.arange(T)
+        # MoA/independent row i predicts x_{i+1}; keep rows whose next token is an assistant token.
+        start = moa.verification_starts(T, ex.prompt_len, every)
         keep = (rows >= ex.prompt_len - 1) & (rows < T - 1)
-        logits = out.logits[0][keep]
-        ce = -(tp["probs"][keep] * logits.log_softmax(-1)).sum(-1).mean()
-        if self.cfg.tli_layers:
-            reg = 0.5 * F.smooth_l1_loss(out.hidden[0][keep], tp["mid"][keep]) + \
-                0.5 * F.smooth_l1_loss(out.final[0][keep], tp["final"][keep])
+        target_row = rows
+        if self.cfg.kind == "moa":
+            out = self.moa_outputs(ex, tp, start, curriculum)
+            hidden, final, logits = out.hidden[0], out.final[0], out.logits[0]
+            depth = rows - start
+        elif self.cfg.kind == "eagle":
+            # EAGLE row i reads (f_i, x_{i+1}) and predicts f_{i+1}, x_{i+2}: its targets sit at row i + 1.
+            keep = (rows >= ex.prompt_len - 2) & (rows < T - 2)
+            target_row = (rows + 1).clamp(max=T - 1)
+            hidden, logits, depth = self.eagle_outputs(ex, tp, start)
+            final = hidden
         else:
-            reg = F.smooth_l1_loss(out.hidden[0][keep], tp["final"][keep])
+            hidden, logits = self.drafter.forward_train(torch.tensor([ex.ids]))
+            hidden, final, logits = hidden[0], hidden[0], logits[0]
+            depth = torch.ones(T, dtype=torch.long)  # token-only drafter: no stale target state
+        t = target_row[keep]
+        logits = logits[keep]
+        ce = -(tp["probs"][t] * logits.log_softmax(-1)).sum(-1).mean()
+        if self.cfg.kind == "moa" and self.cfg.tli_layers:
+            reg = 0.5 * F.smooth_l1_loss(hidden[keep], tp["mid"][t]) + 0.5 * F.smooth_l1_loss(final[keep],
+                                                                                             tp["final"][t])
+        else:
+            reg = F.smooth_l1_loss(hidden[keep], tp["final"][t])
         loss = self.cfg.ce_weight * ce + reg
         vocab = self.drafter.draft_vocab
         pred = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
-        agree = pred == tp["argmax"][keep]
-        depth = (rows - start[0])[keep]
-        return loss, {"ce": ce.item(), "reg": reg.item(), "tokens": int(keep.sum()), "agree": agree, "depth": depth}
+        agree = pred == tp["argmax"][t]
+        return loss, {"ce": ce.item(), "reg": reg.item(), "tokens": int(keep.sum()), "agree": agree,
+                      "depth": depth[keep]}
+
+    def moa_outputs(self, ex: Example, tp: dict, start: torch.Tensor, curriculum: bool):
+        ctx = self.drafter.encoder(tp["k"][None], tp["v"][None])
+        tail = (tp["tail_k"][None], tp["tail_v"][None]) if self.cfg.tli_layers else None
+        sa_mask = moa.sa_curriculum_mask(start[None])[0] if curriculum else None
+        return self.drafter.forward_train(torch.tensor([ex.ids]), ctx, start[None], tail, sa_mask)
+
+    def eagle_outputs(self, ex: Example, tp: dict, start: torch.Tensor):
+        """Training: teacher forcing on the target's features (EAGLE is off-policy by design).
+        Validation: the drafter's own features fed back as at inference. Row i uses the target's f_i
+        only if slot i is verified (i <= s_i, s_i = last verified slot before row i + 1); otherwise the
+        feature its previous row predicted. One pass per draft level makes levels 1..6 exact."""
+        tokens = torch.tensor([ex.ids])
+        f = tp["final"][None]
+        T = len(ex.ids)
+        s_next = torch.cat([start[1:], start.new_full((1,), T - 1)])  # s_i = start of row i + 1
+        rows = torch.arange(T)
+        verified = rows <= s_next
+        depth = rows + 1 - s_next
+        pred, logits = self.drafter.forward_train(tokens, f)
+        if not self.drafter.training:
+            for _ in range(5):
+                fed = torch.where(verified[None, :, None], f, torch.cat([f[:, :1], pred[:, :-1]], 1))
+                pred, logits = self.drafter.forward_train(tokens, fed)
+        return pred[0], logits[0], depth
 
     # ------------------------------------------------------------------ loop
     def run(self, resume: bool = True) -> dict:
         cfg = self.cfg
         if resume and (self.out / "trainer.pt").exists():
             self.load_state()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train moa N={cfg.tli_layers}", unit="step")
+        label = f"moa N={cfg.tli_layers}" if cfg.kind == "moa" else cfg.kind
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {label}", unit="step")
         t0, tokens = time.time(), 0
         while self.step < cfg.steps:
             for g in self.opt.param_groups:
@@ -224,14 +277,15 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_state(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        moa.save(self.drafter, self.out / "drafter")
+        self.module.save(self.drafter, self.out / "drafter")
         torch.save({"step": self.step, "opt": self.opt.state_dict(), "rng": self.rng.getstate(),
                     "torch_rng": torch.get_rng_state(), "history": self.history, "config": asdict(self.cfg)},
                    self.out / "trainer.pt")
 
     def load_state(self) -> None:
         state = torch.load(self.out / "trainer.pt", weights_only=False)
-        fresh = moa.load(self.out / "drafter", self.target, self.cfg.model, self.drafter.cfg.target_fingerprint)
+        fresh = self.module.load(self.out / "drafter", self.target, self.cfg.model,
+                                 self.drafter.cfg.target_fingerprint)
         self.drafter.load_state_dict(fresh.state_dict())
         self.opt.load_state_dict(state["opt"])
         self.rng.setstate(state["rng"])
