@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from moaspec import cli
+from moaspec.drafters import resolve_auto
 
 MODEL = "smollm2-135m"
 JSON_KEYS = {
@@ -59,7 +60,8 @@ def subprocess_env() -> dict:
 def test_generate_json(capsys):
     rec = gen_json(capsys, "--prompt", "Name three colours.", "--max-new-tokens", "12")
     assert JSON_KEYS <= rec.keys()
-    assert rec["model"] == MODEL and rec["drafter"] == "lookup"
+    # the default drafter is `auto`: the shipped MoA drafter where there is one, else lookup
+    assert rec["model"] == MODEL and rec["drafter"] == resolve_auto(MODEL)
     assert 1 <= rec["new_tokens"] <= 12 and len(rec["token_ids"]) == rec["new_tokens"]
     assert rec["text"].strip()
     assert rec["finish_reason"] in ("stop", "length")

@@ -18,7 +18,7 @@ from pathlib import Path
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import TreeConfig
-from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS
+from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, resolve_auto
 from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
@@ -105,12 +105,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and drafter")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"target: {', '.join(MODELS)}, a .gguf file or a Hugging Face folder")
-    g.add_argument("--drafter", default="lookup", choices=DRAFTERS, help="none = plain decoding")
+    g.add_argument("--drafter", default="auto", choices=DRAFTERS,
+                   help="auto = the shipped MoA drafter for the target if there is one, else lookup; "
+                        "none = plain decoding")
     g.add_argument("--draft-model", metavar="NAME",
                    help="draft model for --drafter model (same tokenizer as the target); default per target: "
                         + ", ".join(f"{t} -> {d}" for t, d in DEFAULT_DRAFT_MODEL.items()))
     g.add_argument("--drafter-path", metavar="DIR",
-                   help="checkpoint folder of a trained drafter (moa); default: the one shipped for the target")
+                   help="checkpoint folder of a trained drafter (moa, eagle, independent); default: the one "
+                        "shipped for the target")
     g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers")
     g.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
@@ -218,10 +221,15 @@ def _summary(gen, label: str) -> str:
     )
 
 
+def _drafter_name(args: argparse.Namespace) -> str:
+    """The drafter that runs: `auto` resolved to what it picked for the target."""
+    return resolve_auto(args.model) if args.drafter == "auto" else args.drafter
+
+
 def _label(args: argparse.Namespace) -> str:
     if args.drafter == "model":
         return f"{args.model} + model:{args.draft_model or DEFAULT_DRAFT_MODEL.get(args.model, '?')}"
-    return f"{args.model} + {args.drafter}"
+    return f"{args.model} + {_drafter_name(args)}"
 
 
 def _end_line(out, text: str) -> None:
@@ -248,7 +256,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = _generate(dec, ids, cfg, sys.stdout if streaming else None)
     if args.json:
         draft_model = (args.draft_model or DEFAULT_DRAFT_MODEL.get(args.model)) if args.drafter == "model" else None
-        record = {**gen.as_dict(), "model": args.model, "drafter": args.drafter, "draft_model": draft_model}
+        record = {**gen.as_dict(), "model": args.model, "drafter": _drafter_name(args), "draft_model": draft_model}
         print(json.dumps(record, ensure_ascii=False), flush=True)
         return 0
     if not streaming:

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
     from moaspec.pipeline import SpecDecoder
 
-DRAFTERS = ("none", "lookup", "model", "moa")
-TRAINED = {"moa"}  # drafters loaded from a checkpoint folder
+DRAFTERS = ("auto", "none", "lookup", "model", "moa", "eagle", "independent")
+TRAINED = ("moa", "eagle", "independent")  # drafters loaded from a checkpoint folder
 
 # The same-tokenizer draft model a target gets when `--draft-model` is not given. SmolLM2 drafts
 # for itself: useless for speed, but every draft is then accepted at T=0, a sharp engine test.
@@ -27,8 +27,15 @@ def shipped_checkpoint(kind: str, model: str) -> Path:
     return Path(__file__).resolve().parent.parent / "checkpoints" / model / kind
 
 
+def resolve_auto(model: str) -> str:
+    """`auto`: the MoA drafter where one ships for the target, else prompt lookup (needs no training)."""
+    return "moa" if shipped_checkpoint("moa", model).exists() else "lookup"
+
+
 def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None,
                   drafter_path: str | None = None) -> Drafter | None:
+    if name == "auto":
+        name = resolve_auto(dec.model_name)
     if name == "none":
         return None
     if name == "lookup":
@@ -51,15 +58,18 @@ def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None,
         model = Transformer(folder, weights=dec.target.weights, device=dec.target.device,
                             max_seq_len=dec.target.max_seq_len)
         return DraftModelDrafter(model)
-    if name == "moa":
-        from moaspec.drafters import moa
+    if name in TRAINED:
+        import importlib
+
         from moaspec.models.store import weights_fingerprint
 
         folder = Path(drafter_path) if drafter_path else shipped_checkpoint(name, dec.model_name)
         if not folder.exists():
             raise UserError(
                 f"no {name} drafter for {dec.model_name!r} at {folder}: train one with "
-                f"`moaspec train --model {dec.model_name}` and pass --drafter-path, or use --drafter lookup"
+                f"`moaspec train --kind {name} --model {dec.model_name}` and pass --drafter-path, "
+                "or use --drafter lookup"
             )
-        return moa.load(folder, dec.target, dec.model_name, weights_fingerprint(dec.folder))
+        module = importlib.import_module(f"moaspec.drafters.{name}")
+        return module.load(folder, dec.target, dec.model_name, weights_fingerprint(dec.folder))
     raise UserError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
