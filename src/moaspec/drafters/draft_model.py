@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
+from moaspec.drafters.trained import place_frontier
 from moaspec.models.runtime import Transformer
 
 
@@ -38,20 +39,12 @@ class DraftModelDrafter:
         out = m.forward(torch.tensor([*pending, root]), logits_rows=slice(-1, None))
         m.advance(len(pending) + 1)
         base = m.length  # the root is committed in the draft cache; it will be in the target's too
-        slot_of: dict[int, int] = {0: base - 1}  # tree node -> cache slot
+        # tree node -> cache slot - base: the forward's tree mask covers only the tentative slots [base, length)
+        slot_of = {0: -1}
 
         def expand(tree: Tree, frontier: list[int]) -> torch.Tensor:
             # rows = frontier nodes; columns = tentative slots [base, length) + the new rows
-            tentative = m.length - base
-            mask = torch.zeros(len(frontier), tentative + len(frontier), dtype=torch.bool)
-            for r, node in enumerate(frontier):
-                mask[r, tentative + r] = True
-                p = tree.parents[node]
-                while p > 0:
-                    mask[r, slot_of[p] - base] = True
-                    p = tree.parents[p]
-            for r, node in enumerate(frontier):
-                slot_of[node] = m.length + r
+            _, mask = place_frontier(tree, frontier, slot_of, 0)  # the first of them is m.length - base
             positions = torch.tensor([base - 1 + tree.depths[n] for n in frontier])
             o = m.forward(torch.tensor([tree.tokens[n] for n in frontier]), positions=positions, tree_mask=mask)
             m.advance(len(frontier))

@@ -17,229 +17,44 @@ is the row (prediction of its parent's row, its own token) at position P - 1 + d
 cache slot: EAGLE feeds its own predicted features back while drafting (off-policy, PAPER.md 2).
 Only trainable weights (fc, the layer) and `vocab_ids` are in the state dict.
 
-This file also holds what `drafters/independent.py` shares with it (a base class for drafters bound
-to a target with a frozen embedding and trimmed LM head, checkpoint save/load by `kind`); they could
-move to a common module together with moa.py's copies.
+What it shares with the other trained drafters (target binding, trimmed head, checkpoints, drafting
+masks) is in `drafters/trained.py`.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.layers import DecoderLayer, KVCache, rope
+from moaspec.drafters.trained import (
+    TargetBoundConfig,
+    TargetBoundDrafter,
+    causal_mask,
+    check_heads,
+    load_checkpoint,
+    pending_mask,
+    place_frontier,
+    read_checkpoint_config,
+    save_checkpoint,
+)
 from moaspec.errors import UserError
 from moaspec.models.runtime import ModelConfig, Transformer
 
 KIND = "eagle"
-FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 DEFAULT_NOISE = 0.1  # EAGLE's training noise on the input features: U(-0.1, 0.1)
-
-
-# ============================================================================= shared with independent.py
-def check_dims(label: str, target_name: str, want: dict[str, int], model_cfg: ModelConfig) -> None:
-    """UserError unless `model_cfg` has the dimensions `want` (a drafter's record of its target)."""
-    have = {k: getattr(model_cfg, k) for k in want}
-    if want != have:
-        bad = ", ".join(f"{k} {want[k]} vs {have[k]}" for k in want if want[k] != have[k])
-        raise UserError(f"this {label} drafter was built for target {target_name!r}, whose dimensions differ "
-                        f"from the loaded target's ({bad})")
-
-
-def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
-
-
-def pending_mask(start: int, n: int, device: torch.device | str | None = None) -> torch.Tensor | None:
-    """Rows written at cache slots [start, start + n): all earlier slots, causal among themselves."""
-    if n == 1:
-        return None
-    return torch.cat([torch.ones(n, start, dtype=torch.bool, device=device), causal_mask(n, device)], 1)
-
-
-def tree_rows_mask(tree: Tree, frontier: list[int], slot_of: dict[int, int], committed: int, first: int,
-                   device: torch.device | str | None = None) -> torch.Tensor:
-    """bool [f, first + f] for frontier rows written at slots first.. : every committed slot
-    [0, committed), the tentative slots of the node's ancestors (from `slot_of`), and the row itself."""
-    f = len(frontier)
-    mask = torch.zeros(f, first + f, dtype=torch.bool, device=device)
-    mask[:, :committed] = True
-    for r, node in enumerate(frontier):
-        mask[r, first + r] = True
-        p = tree.parents[node]
-        while p > 0:
-            mask[r, slot_of[p]] = True
-            p = tree.parents[p]
-    return mask
-
-
-class TargetBoundDrafter(nn.Module):
-    """Base of the trained baselines: trainable weights built from a config with `target_name`,
-    `target_fingerprint`, `vocab_size`, `vocab_ids` (K, 0 = full vocabulary), `check_target(model_cfg)`;
-    the target's frozen embedding and LM head (rows `vocab_ids`) are shared by `attach`, not copied, and
-    are not in the state dict (which holds the trainable weights and the `vocab_ids` buffer)."""
-
-    name: ClassVar[str]
-    label: ClassVar[str]  # for messages
-    config_cls: ClassVar[type]
-
-    def __init__(self, cfg: Any, max_seq_len: int = 4096):
-        super().__init__()
-        self.cfg = cfg
-        self.max_seq_len = max_seq_len
-        self.register_buffer("vocab_ids", torch.arange(cfg.vocab_ids))  # placeholder ids; see set_vocab_ids
-        self.register_load_state_dict_post_hook(TargetBoundDrafter._after_load)  # new ids -> new trimmed head
-        self.target_cfg: ModelConfig | None = None
-        self.embed: torch.Tensor | None = None
-        self.full_head: torch.Tensor | None = None
-        self.head: torch.Tensor | None = None  # [K, D]: full_head rows of vocab_ids (or full_head itself)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-
-    @classmethod
-    def from_target(cls, target: Transformer, cfg: Any, vocab_ids: torch.Tensor | None = None):
-        """A drafter (fresh trainable weights) with the target's frozen parts attached, on its device."""
-        drafter = cls(cfg, max_seq_len=target.max_seq_len).to(target.device)
-        drafter.attach(target)
-        if vocab_ids is not None:
-            drafter.set_vocab_ids(vocab_ids)
-        return drafter
-
-    def attach(self, target: Transformer) -> None:
-        """Share the target's embedding and LM head (no copies)."""
-        self.cfg.check_target(target.cfg)
-        self.target_cfg = target.cfg
-        self.embed = target.embed
-        self.full_head = target.lm_head_weight.float()
-        self._trim_head()
-
-    def set_vocab_ids(self, ids: torch.Tensor) -> None:
-        """Choose the target token ids the trimmed head keeps (K = cfg.vocab_ids of them, distinct)."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.vocab_ids.device)
-        if ids.shape != (self.cfg.vocab_ids,) or ids.unique().numel() != ids.numel():
-            raise UserError(f"vocab_ids must be {self.cfg.vocab_ids} distinct token ids, got shape {tuple(ids.shape)}")
-        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.cfg.vocab_size):
-            raise UserError(f"vocab_ids must lie in 0..{self.cfg.vocab_size - 1}")
-        self.vocab_ids.copy_(ids)
-        self._trim_head()
-
-    @staticmethod
-    def _after_load(module: TargetBoundDrafter, incompatible_keys: Any) -> None:
-        module._trim_head()
-
-    def _trim_head(self) -> None:
-        if self.full_head is not None:
-            self.head = self.full_head[self.vocab_ids].contiguous() if self.cfg.vocab_ids else self.full_head
-
-    def _require_target(self) -> None:
-        if self.embed is None:
-            raise UserError(f"the {self.label} drafter has no target attached: build it with from_target or load()")
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything a checkpoint holds: the trainable weights and the `vocab_ids` buffer."""
-        return dict(self.state_dict())
-
-    def num_trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad)
-
-    @property
-    def draft_vocab(self) -> torch.Tensor | None:
-        """Drafter vocabulary index -> target token id (None: the full vocabulary, identity)."""
-        return self.vocab_ids if self.cfg.vocab_ids else None
-
-    def logits(self, final: torch.Tensor) -> torch.Tensor:
-        """LM-head logits over the drafter's vocabulary for states [..., D]."""
-        self._require_target()
-        return F.linear(final, self.head)
-
-
-def save_checkpoint(drafter: TargetBoundDrafter, folder: str | Path, kind: str, fp16: bool = False) -> Path:
-    """config.json (kind, format version, dtype, every config field) + model.safetensors (trainable
-    weights and vocab ids only; fp16 halves the float tensors)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for k, t in drafter.trainable_state_dict().items():
-        t = t.detach().to("cpu")
-        tensors[k] = (t.half() if fp16 and t.is_floating_point() else t).contiguous()
-    config = {"kind": kind, "format_version": FORMAT_VERSION, "dtype": "fp16" if fp16 else "fp32",
-              **asdict(drafter.cfg)}
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"kind": kind})
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return folder
-
-
-def read_checkpoint_config(folder: str | Path, kind: str, cfg_cls: type, label: str) -> Any:
-    path = Path(folder) / CONFIG_FILE
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"no {label} drafter checkpoint at {folder}: {CONFIG_FILE} is missing") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {path} (corrupt?): {e}") from None
-    if not isinstance(raw, dict) or raw.get("kind") != kind:
-        got = raw.get("kind") if isinstance(raw, dict) else None
-        raise UserError(f"{path} is not an {label} drafter checkpoint (kind {got!r}, expected {kind!r})")
-    if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
-        raise UserError(f"{path} has format version {raw['format_version']}; this moaspec reads {FORMAT_VERSION}")
-    names = {f.name for f in fields(cfg_cls)}
-    try:
-        return cfg_cls(**{k: v for k, v in raw.items() if k in names})
-    except TypeError as e:
-        raise UserError(f"{path} is incomplete: {e}") from None
-
-
-def load_checkpoint(folder: str | Path, kind: str, cls: type[TargetBoundDrafter], target: Transformer,
-                    target_name: str, fingerprint: str) -> Any:
-    """Load a drafter saved by `save_checkpoint` and attach it to `target`. UserError for a checkpoint
-    of another target (name, weights fingerprint or dimensions) and for missing or corrupt files."""
-    folder = Path(folder)
-    label = cls.label
-    cfg = read_checkpoint_config(folder, kind, cls.config_cls, label)
-    if cfg.target_fingerprint != fingerprint or cfg.target_name != target_name:
-        raise UserError(
-            f"the {label} drafter in {folder} was trained for target {cfg.target_name!r} (weights fingerprint "
-            f"{cfg.target_fingerprint}), not for {target_name!r} (fingerprint {fingerprint}); "
-            "use a drafter trained for this target"
-        )
-    cfg.check_target(target.cfg)
-    path = folder / WEIGHTS_FILE
-    if not path.is_file():
-        raise UserError(f"the {label} drafter checkpoint {folder} has no {WEIGHTS_FILE}")
-    try:
-        tensors = load_file(str(path), device=str(target.device))
-    except Exception as e:  # safetensors raises SafetensorError, OSError, ValueError... on bad files
-        raise UserError(f"cannot read {path} (corrupt or truncated? retrain or copy it again): {e}") from None
-    drafter = cls.from_target(target, cfg)
-    try:
-        drafter.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"{path} does not match its {CONFIG_FILE}: {e}") from None
-    if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
-        raise UserError(f"{path} holds non-finite weights")
-    if cfg.vocab_ids and (drafter.vocab_ids.min() < 0 or drafter.vocab_ids.max() >= cfg.vocab_size):
-        raise UserError(f"{path} holds vocabulary ids outside the target's vocabulary")
-    return drafter.eval()
 
 
 # ============================================================================= EAGLE-2
 @dataclass
-class EagleConfig:
+class EagleConfig(TargetBoundConfig):
+    label = "EAGLE"
+    target_dims = ("hidden_size", "num_layers", "vocab_size")
     # the target this drafter belongs to
     target_name: str
     target_fingerprint: str
@@ -258,15 +73,8 @@ class EagleConfig:
     rms_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.heads < 1 or self.kv_heads < 1 or self.heads % self.kv_heads:
-            raise UserError(f"EAGLE: {self.heads} heads are not a multiple of {self.kv_heads} KV heads")
-        if not 0 <= self.vocab_ids <= self.vocab_size:
-            raise UserError(f"vocab_ids must be in 0..{self.vocab_size}, got {self.vocab_ids}")
-
-    @property
-    def head_size(self) -> int:
-        """Rows of the drafter's LM head (K, or the full vocabulary)."""
-        return self.vocab_ids or self.vocab_size
+        check_heads("EAGLE", self.heads, self.kv_heads)
+        self._check_vocab_ids()
 
     @classmethod
     def for_target(
@@ -286,11 +94,6 @@ class EagleConfig:
         return cls(target_name=target_name, target_fingerprint=target_fingerprint, hidden_size=c.hidden_size,
                    num_layers=c.num_layers, vocab_size=c.vocab_size, vocab_ids=vocab_ids,
                    rope_theta=c.rope_theta, rms_eps=c.rms_eps, **sizes)
-
-    def check_target(self, model_cfg: ModelConfig) -> None:
-        """UserError unless `model_cfg` has the dimensions this drafter was built for."""
-        check_dims("EAGLE", self.target_name, dict(hidden_size=self.hidden_size, num_layers=self.num_layers,
-                                                   vocab_size=self.vocab_size), model_cfg)
 
 
 class FeatureEncoder:
@@ -315,7 +118,6 @@ class EagleDrafter(TargetBoundDrafter):
     """
 
     name = "eagle"
-    label = "EAGLE"
     config_cls = EagleConfig
 
     def __init__(self, cfg: EagleConfig, max_seq_len: int = 4096):
@@ -378,7 +180,8 @@ class EagleDrafter(TargetBoundDrafter):
         self.cache = KVCache(c.kv_heads, S, c.head_dim, p.device, p.dtype)
         self.features = torch.zeros(S, c.hidden_size, device=p.device, dtype=p.dtype)
 
-    def _add_features(self, context: Any) -> None:
+    def _add_context(self, context: Any) -> None:
+        """Store the target's features of the newly committed slots."""
         if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.shape[1] != self.cfg.hidden_size:
             raise UserError("the EAGLE drafter needs target features: pass drafter.encoder to the target")
         start, n = self.n_features, context.shape[0]
@@ -386,22 +189,6 @@ class EagleDrafter(TargetBoundDrafter):
             raise UserError(f"EAGLE drafter context full ({start} + {n} > {self.max_seq_len} tokens)")
         self.features[start:start + n] = context.to(self.features)
         self.n_features += n
-
-    @torch.no_grad()
-    def begin(self, prompt: list[int], context: Any) -> None:
-        self._require_target()
-        self._allocate()
-        self.reset()
-        self.tokens = list(prompt)
-        self._add_features(context)
-
-    @torch.no_grad()
-    def observe(self, tokens: list[int], context: Any) -> None:
-        self.tokens.extend(tokens)
-        self._add_features(context)
-
-    def _logprobs(self, pred: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.logits(pred), -1)
 
     @torch.no_grad()
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
@@ -420,20 +207,14 @@ class EagleDrafter(TargetBoundDrafter):
         out = self._rows(self.features[start:P][None], ids[None], pos, pending_mask(start, n, dev), self.cache, start)
         self.rows = P
         pred_of = {0: out[0, -1]}  # tree node -> its row's predicted feature (input of its children's rows)
-        slot_of = {0: P - 1}
-        next_slot = P  # drafted rows get tentative slots P, P+1, ... (overwritten next round)
+        slot_of = {0: P - 1}  # drafted rows get tentative slots P, P+1, ... (overwritten next round)
 
         def expand(tree: Tree, frontier: list[int]) -> torch.Tensor:
-            nonlocal next_slot
-            first = next_slot
-            for r, node in enumerate(frontier):
-                slot_of[node] = first + r
-            mask = tree_rows_mask(tree, frontier, slot_of, P, first, dev)
+            first, mask = place_frontier(tree, frontier, slot_of, P, dev)
             feats = torch.stack([pred_of[tree.parents[node]] for node in frontier])
             ids = torch.tensor([tree.tokens[node] for node in frontier], device=dev)
             positions = torch.tensor([P - 1 + tree.depths[node] for node in frontier], device=dev)
             out = self._rows(feats[None], ids[None], positions, mask, self.cache, first)[0]
-            next_slot = first + len(frontier)
             for r, node in enumerate(frontier):
                 pred_of[node] = out[r]
             return self._logprobs(out)
@@ -448,7 +229,7 @@ def save(drafter: EagleDrafter, folder: str | Path, fp16: bool = False) -> Path:
 
 
 def read_config(folder: str | Path) -> EagleConfig:
-    return read_checkpoint_config(folder, KIND, EagleConfig, EagleDrafter.label)
+    return read_checkpoint_config(folder, KIND, EagleConfig)
 
 
 def load(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> EagleDrafter:
@@ -457,9 +238,8 @@ def load(folder: str | Path, target: Transformer, target_name: str, fingerprint:
 
 
 def param_count(cfg: EagleConfig) -> int:
-    """Trainable parameters of a drafter with these sizes (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        return EagleDrafter(cfg, max_seq_len=1).num_trainable_parameters()
+    """Trainable parameters of a drafter with these sizes (no memory used)."""
+    return EagleDrafter.param_count(cfg)
 
 
 __all__ = [
@@ -467,12 +247,8 @@ __all__ = [
     "EagleConfig",
     "EagleDrafter",
     "FeatureEncoder",
-    "TargetBoundDrafter",
     "load",
-    "load_checkpoint",
     "param_count",
-    "read_checkpoint_config",
     "read_config",
     "save",
-    "save_checkpoint",
 ]

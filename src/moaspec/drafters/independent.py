@@ -19,17 +19,18 @@ import torch
 from torch import nn
 
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
-from moaspec.drafters.eagle import (
+from moaspec.drafters.layers import DecoderLayer, KVCache, RMSNorm, rope
+from moaspec.drafters.trained import (
+    TargetBoundConfig,
     TargetBoundDrafter,
     causal_mask,
-    check_dims,
+    check_heads,
     load_checkpoint,
     pending_mask,
+    place_frontier,
     read_checkpoint_config,
     save_checkpoint,
-    tree_rows_mask,
 )
-from moaspec.drafters.layers import DecoderLayer, KVCache, RMSNorm, rope
 from moaspec.errors import UserError
 from moaspec.models.runtime import ModelConfig, Transformer
 
@@ -37,7 +38,9 @@ KIND = "independent"
 
 
 @dataclass
-class IndependentConfig:
+class IndependentConfig(TargetBoundConfig):
+    label = "independent"
+    target_dims = ("hidden_size", "vocab_size")
     # the target this drafter belongs to (it shares the target's embedding and LM head)
     target_name: str
     target_fingerprint: str
@@ -54,17 +57,10 @@ class IndependentConfig:
     rms_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        if self.heads < 1 or self.kv_heads < 1 or self.heads % self.kv_heads:
-            raise UserError(f"independent drafter: {self.heads} heads are not a multiple of {self.kv_heads} KV heads")
+        check_heads("independent drafter", self.heads, self.kv_heads)
         if self.num_layers < 1:
             raise UserError(f"independent drafter: num_layers must be >= 1, got {self.num_layers}")
-        if not 0 <= self.vocab_ids <= self.vocab_size:
-            raise UserError(f"vocab_ids must be in 0..{self.vocab_size}, got {self.vocab_ids}")
-
-    @property
-    def head_size(self) -> int:
-        """Rows of the drafter's LM head (K, or the full vocabulary)."""
-        return self.vocab_ids or self.vocab_size
+        self._check_vocab_ids()
 
     @classmethod
     def for_target(
@@ -86,11 +82,6 @@ class IndependentConfig:
                    vocab_size=c.vocab_size, num_layers=num_layers, vocab_ids=vocab_ids, rope_theta=c.rope_theta,
                    rms_eps=c.rms_eps, **sizes)
 
-    def check_target(self, model_cfg: ModelConfig) -> None:
-        """UserError unless `model_cfg` has the dimensions this drafter was built for."""
-        check_dims("independent", self.target_name, dict(hidden_size=self.hidden_size, vocab_size=self.vocab_size),
-                   model_cfg)
-
 
 class IndependentDrafter(TargetBoundDrafter):
     """A small LM on the target's frozen embedding and LM head; implements `drafters.base.Drafter`.
@@ -99,7 +90,6 @@ class IndependentDrafter(TargetBoundDrafter):
     """
 
     name = "independent"
-    label = "independent"
     config_cls = IndependentConfig
     encoder = None  # reads no target state
 
@@ -149,20 +139,6 @@ class IndependentDrafter(TargetBoundDrafter):
         self.caches = [KVCache(c.kv_heads, S, c.head_dim, p.device, p.dtype) for _ in self.layers]
 
     @torch.no_grad()
-    def begin(self, prompt: list[int], context: Any = None) -> None:
-        self._require_target()
-        self._allocate()
-        self.reset()
-        self.tokens = list(prompt)
-
-    @torch.no_grad()
-    def observe(self, tokens: list[int], context: Any = None) -> None:
-        self.tokens.extend(tokens)
-
-    def _logprobs(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.logits(h), -1)
-
-    @torch.no_grad()
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
         P = len(self.tokens)  # the root's position
         if P + 1 + cfg.depth * cfg.topk > self.max_seq_len:
@@ -175,19 +151,13 @@ class IndependentDrafter(TargetBoundDrafter):
         pos = torch.arange(start, P + 1, device=dev)
         h = self._hidden(torch.tensor([pending], device=dev), pos, pending_mask(start, len(pending), dev), start)
         self.cached = P + 1
-        slot_of = {0: P}
-        next_slot = P + 1  # drafted nodes get tentative slots P+1, ... (overwritten next round)
+        slot_of = {0: P}  # drafted nodes get tentative slots P+1, ... (overwritten next round)
 
         def expand(tree: Tree, frontier: list[int]) -> torch.Tensor:
-            nonlocal next_slot
-            first = next_slot
-            for r, node in enumerate(frontier):
-                slot_of[node] = first + r
-            mask = tree_rows_mask(tree, frontier, slot_of, P + 1, first, dev)
+            first, mask = place_frontier(tree, frontier, slot_of, P + 1, dev)
             ids = torch.tensor([[tree.tokens[node] for node in frontier]], device=dev)
             positions = torch.tensor([P + tree.depths[node] for node in frontier], device=dev)
             out = self._hidden(ids, positions, mask, first)[0]
-            next_slot = first + len(frontier)
             return self._logprobs(out)
 
         return grow_tree(root, self._logprobs(h[0, -1]), expand, cfg, vocab=self.draft_vocab)
@@ -200,7 +170,7 @@ def save(drafter: IndependentDrafter, folder: str | Path, fp16: bool = False) ->
 
 
 def read_config(folder: str | Path) -> IndependentConfig:
-    return read_checkpoint_config(folder, KIND, IndependentConfig, IndependentDrafter.label)
+    return read_checkpoint_config(folder, KIND, IndependentConfig)
 
 
 def load(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> IndependentDrafter:
@@ -209,9 +179,8 @@ def load(folder: str | Path, target: Transformer, target_name: str, fingerprint:
 
 
 def param_count(cfg: IndependentConfig) -> int:
-    """Trainable parameters of a drafter with these sizes (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        return IndependentDrafter(cfg, max_seq_len=1).num_trainable_parameters()
+    """Trainable parameters of a drafter with these sizes (no memory used)."""
+    return IndependentDrafter.param_count(cfg)
 
 
 __all__ = ["IndependentConfig", "IndependentDrafter", "load", "param_count", "read_config", "save"]

@@ -73,8 +73,9 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b, n, h * d)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm self-attention decoder layer with GQA, RoPE and a SwiGLU MLP (SA and LSA)."""
+class _AttentionBlock(nn.Module):
+    """Weights and residual tail shared by `DecoderLayer` and `CrossAttentionLayer`: input RMSNorm, GQA
+    projections, output projection, post-attention RMSNorm and a SwiGLU MLP."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp: int, eps: float):
         super().__init__()
@@ -86,6 +87,25 @@ class DecoderLayer(nn.Module):
         self.o = nn.Linear(heads * head_dim, dim, bias=False)
         self.post_norm = RMSNorm(dim, eps)
         self.mlp = SwiGLU(dim, mlp)
+
+    def _q(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Normed states h [B, n, dim] -> queries [B, heads, n, head_dim] with RoPE."""
+        return apply_rope(_split_heads(self.q(h), self.heads, self.head_dim), cos, sin)
+
+    def _kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normed states h [B, n, dim] -> k (with RoPE), v [B, kv_heads, n, head_dim]."""
+        k = apply_rope(_split_heads(self.k(h), self.kv_heads, self.head_dim), cos, sin)
+        return k, _split_heads(self.v(h), self.kv_heads, self.head_dim)
+
+    def _residual(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """x + attention output, then + the MLP of its post-norm."""
+        x = x + self.o(_merge_heads(_attention(q, k, v, mask)))
+        return x + self.mlp(self.post_norm(x))
+
+
+class DecoderLayer(_AttentionBlock):
+    """Pre-norm self-attention decoder layer with GQA, RoPE and a SwiGLU MLP (SA and LSA)."""
 
     def forward(
         self,
@@ -99,35 +119,20 @@ class DecoderLayer(nn.Module):
         """x [B, n, dim]; cos/sin [n, head_dim] at the rows' positions. With a cache (B = 1) the rows'
         K/V are written at slots [start, start + n) and attention covers slots [0, start + n)."""
         h = self.input_norm(x)
-        q = apply_rope(_split_heads(self.q(h), self.heads, self.head_dim), cos, sin)
-        k = apply_rope(_split_heads(self.k(h), self.kv_heads, self.head_dim), cos, sin)
-        v = _split_heads(self.v(h), self.kv_heads, self.head_dim)
+        q = self._q(h, cos, sin)
+        k, v = self._kv(h, cos, sin)
         if cache is not None:
             k, v = cache.update(start, k, v)
-        x = x + self.o(_merge_heads(_attention(q, k, v, mask)))
-        return x + self.mlp(self.post_norm(x))
+        return self._residual(x, q, k, v, mask)
 
 
-class CrossAttentionLayer(nn.Module):
+class CrossAttentionLayer(_AttentionBlock):
     """Queries from the SA stream, keys/values from the context vectors of verified tokens; the same
     input RMSNorm is applied to both streams; RoPE at absolute positions on queries and keys."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, mlp: int, eps: float):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.input_norm = RMSNorm(dim, eps)
-        self.q = nn.Linear(dim, heads * head_dim, bias=False)
-        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(heads * head_dim, dim, bias=False)
-        self.post_norm = RMSNorm(dim, eps)
-        self.mlp = SwiGLU(dim, mlp)
-
     def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c [B, m, dim] context vectors at positions given by cos/sin -> k, v [B, kv_heads, m, head_dim]."""
-        h = self.input_norm(c)
-        k = apply_rope(_split_heads(self.k(h), self.kv_heads, self.head_dim), cos, sin)
-        return k, _split_heads(self.v(h), self.kv_heads, self.head_dim)
+        return self._kv(self.input_norm(c), cos, sin)
 
     def forward(
         self,
@@ -138,9 +143,7 @@ class CrossAttentionLayer(nn.Module):
         v: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q = apply_rope(_split_heads(self.q(self.input_norm(x)), self.heads, self.head_dim), cos, sin)
-        x = x + self.o(_merge_heads(_attention(q, k, v, mask)))
-        return x + self.mlp(self.post_norm(x))
+        return self._residual(x, self._q(self.input_norm(x), cos, sin), k, v, mask)
 
 
 def _frozen_linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:

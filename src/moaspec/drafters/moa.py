@@ -17,18 +17,17 @@ context vector c_j is built from the target's K/V at slot j. At inference the ro
 token, position P) and every drafted node see the contexts c_0..c_{P-1} of the P verified tokens, so
 in training row i sees c_j for j <= start_i where start_i < i is the last verified slot before i
 (`verification_starts`). Trainable: SA, CA, LSA and the projection; everything else is the target's.
+What it shares with the other trained drafters (target binding, trimmed head, checkpoints, drafting
+masks) is in `drafters/trained.py`.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
@@ -39,18 +38,28 @@ from moaspec.drafters.layers import (
     KVCache,
     rope,
 )
+from moaspec.drafters.trained import (
+    TargetBoundConfig,
+    TargetBoundDrafter,
+    causal_mask,
+    check_heads,
+    load_checkpoint,
+    pending_mask,
+    place_frontier,
+    read_checkpoint_config,
+    save_checkpoint,
+)
 from moaspec.errors import UserError
 from moaspec.models.runtime import ModelConfig, Transformer, rms_norm
 
 KIND = "moa"
-FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 
 
 # ----------------------------------------------------------------------------- config
 @dataclass
-class MoAConfig:
+class MoAConfig(TargetBoundConfig):
+    label = "MoA"
+    target_dims = ("hidden_size", "num_layers", "num_kv_heads", "head_dim", "vocab_size")
     # the target this drafter belongs to
     target_name: str
     target_fingerprint: str
@@ -81,22 +90,14 @@ class MoAConfig:
 
     def __post_init__(self) -> None:
         for name in ("sa", "ca", "lsa"):
-            heads, kv = getattr(self, f"{name}_heads"), getattr(self, f"{name}_kv_heads")
-            if heads < 1 or kv < 1 or heads % kv:
-                raise UserError(f"MoA {name}: {heads} heads are not a multiple of {kv} KV heads")
+            check_heads(f"MoA {name}", getattr(self, f"{name}_heads"), getattr(self, f"{name}_kv_heads"))
         if not 0 <= self.tli_layers <= self.num_layers:
             raise UserError(f"tli_layers must be in 0..{self.num_layers}, got {self.tli_layers}")
-        if not 0 <= self.vocab_ids <= self.vocab_size:
-            raise UserError(f"vocab_ids must be in 0..{self.vocab_size}, got {self.vocab_ids}")
+        self._check_vocab_ids()
 
     @property
     def lsa_hidden(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
-
-    @property
-    def head_size(self) -> int:
-        """Rows of the drafter's LM head (K, or the full vocabulary)."""
-        return self.vocab_ids or self.vocab_size
 
     @classmethod
     def for_target(
@@ -136,16 +137,6 @@ class MoAConfig:
             head_dim=c.head_dim, vocab_size=c.vocab_size, tli_layers=tli_layers, vocab_ids=vocab_ids,
             rope_theta=c.rope_theta, rms_eps=c.rms_eps, **sizes,
         )
-
-    def check_target(self, model_cfg: ModelConfig) -> None:
-        """UserError unless `model_cfg` has the dimensions this drafter was built for."""
-        want = dict(hidden_size=self.hidden_size, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, vocab_size=self.vocab_size)
-        have = {k: getattr(model_cfg, k) for k in want}
-        if want != have:
-            bad = ", ".join(f"{k} {want[k]} vs {have[k]}" for k in want if want[k] != have[k])
-            raise UserError(f"this MoA drafter was built for target {self.target_name!r}, whose dimensions differ "
-                            f"from the loaded target's ({bad})")
 
 
 # ----------------------------------------------------------------------------- training masks
@@ -187,10 +178,6 @@ def sa_curriculum_mask(start_idx: torch.Tensor) -> torch.Tensor:
     j = i
     causal = j[None] <= i[:, None]
     return (causal & (j > start_idx[..., None])) | torch.eye(T, dtype=torch.bool, device=start_idx.device)
-
-
-def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
 def tli_mask(start_idx: torch.Tensor) -> torch.Tensor:
@@ -256,7 +243,7 @@ class TrainOut:
     logits: torch.Tensor | None  # [B, T, K] over the drafter's vocabulary (`vocab_ids`), None if not asked
 
 
-class MoADrafter(nn.Module):
+class MoADrafter(TargetBoundDrafter):
     """The drafting side of MoA; implements `drafters.base.Drafter`.
 
     Parameters (trainable): `sa`, `ca`, `encoder.lsa`, `encoder.proj`; buffer `vocab_ids` (kept target
@@ -265,100 +252,32 @@ class MoADrafter(nn.Module):
     """
 
     name = "moa"
+    config_cls = MoAConfig
 
     def __init__(self, cfg: MoAConfig, max_seq_len: int = 4096):
-        super().__init__()
-        self.cfg = cfg
-        self.max_seq_len = max_seq_len
+        super().__init__(cfg, max_seq_len)
         D = cfg.hidden_size
         self.sa = DecoderLayer(D, cfg.sa_heads, cfg.sa_kv_heads, cfg.sa_head_dim, cfg.sa_mlp, cfg.rms_eps)
         self.ca = CrossAttentionLayer(D, cfg.ca_heads, cfg.ca_kv_heads, cfg.ca_head_dim, cfg.ca_mlp, cfg.rms_eps)
         self.encoder = ContextEncoder(cfg)
-        self.register_buffer("vocab_ids", torch.arange(cfg.vocab_ids))  # placeholder ids; see set_vocab_ids
         for name, hd in (("sa", cfg.sa_head_dim), ("ca", cfg.ca_head_dim)):
             cos, sin = rope(cfg.rope_theta, hd, max_seq_len)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
             self.register_buffer(f"{name}_sin", sin, persistent=False)
         self.apply(self._init_weights)
-        self.register_load_state_dict_post_hook(MoADrafter._after_load)  # new vocab_ids -> new trimmed head
-        # frozen target parts (attach)
-        self.target_cfg: ModelConfig | None = None
+        # frozen target parts besides the embedding and LM head (attach)
         self.tli: list[FrozenTargetLayer] = []
-        self.embed: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
-        self.full_head: torch.Tensor | None = None
-        self.head: torch.Tensor | None = None  # [K, D]: full_head rows of vocab_ids (or full_head itself)
         self.tli_cos = self.tli_sin = None
         self.reset()
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-
-    # ------------------------------------------------------------------ frozen parts
-    @classmethod
-    def from_target(cls, target: Transformer, cfg: MoAConfig, vocab_ids: torch.Tensor | None = None) -> MoADrafter:
-        """A drafter (fresh trainable weights) with the target's frozen parts attached, on its device."""
-        drafter = cls(cfg, max_seq_len=target.max_seq_len).to(target.device)
-        drafter.attach(target)
-        if vocab_ids is not None:
-            drafter.set_vocab_ids(vocab_ids)
-        return drafter
-
     def attach(self, target: Transformer) -> None:
         """Share the target's embedding, LM head, final norm and last N layers (no copies)."""
-        self.cfg.check_target(target.cfg)
-        self.target_cfg = target.cfg
-        self.embed = target.embed
-        self.full_head = target.lm_head_weight.float()
+        super().attach(target)
         self.final_norm = target.norm
         N = self.cfg.tli_layers
         self.tli = [FrozenTargetLayer(layer, target.cfg) for layer in target.layers[target.cfg.num_layers - N:]]
         self.tli_cos, self.tli_sin = target.cos, target.sin
-        self._trim_head()
-
-    def set_vocab_ids(self, ids: torch.Tensor) -> None:
-        """Choose the target token ids the trimmed head keeps (K = cfg.vocab_ids of them, distinct)."""
-        ids = torch.as_tensor(ids, dtype=torch.long, device=self.vocab_ids.device)
-        if ids.shape != (self.cfg.vocab_ids,) or ids.unique().numel() != ids.numel():
-            raise UserError(f"vocab_ids must be {self.cfg.vocab_ids} distinct token ids, got shape {tuple(ids.shape)}")
-        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.cfg.vocab_size):
-            raise UserError(f"vocab_ids must lie in 0..{self.cfg.vocab_size - 1}")
-        self.vocab_ids.copy_(ids)
-        self._trim_head()
-
-    @staticmethod
-    def _after_load(module: MoADrafter, incompatible_keys: Any) -> None:
-        module._trim_head()
-
-    def _trim_head(self) -> None:
-        if self.full_head is not None:
-            self.head = self.full_head[self.vocab_ids].contiguous() if self.cfg.vocab_ids else self.full_head
-
-    def _require_target(self) -> None:
-        if self.embed is None:
-            raise UserError("the MoA drafter has no target attached: build it with MoADrafter.from_target or load()")
-
-    # ------------------------------------------------------------------ bookkeeping
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything a checkpoint holds: SA, CA, LSA, projection weights and the `vocab_ids` buffer."""
-        return dict(self.state_dict())
-
-    def num_trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad)
-
-    @property
-    def draft_vocab(self) -> torch.Tensor | None:
-        """Drafter vocabulary index -> target token id (None: the full vocabulary, identity)."""
-        return self.vocab_ids if self.cfg.vocab_ids else None
-
-    def logits(self, final: torch.Tensor) -> torch.Tensor:
-        """LM-head logits over the drafter's vocabulary for states [..., D]."""
-        self._require_target()
-        return F.linear(final, self.head)
 
     # ------------------------------------------------------------------ shared math
     def _after_sa(
@@ -424,7 +343,7 @@ class MoADrafter(nn.Module):
         self.sa_len = 0  # tokens whose K/V are in the SA cache
         self.ctx_len = 0  # verified tokens whose CA keys/values (and TLI K/V) are cached
 
-    def _caches(self) -> None:
+    def _allocate(self) -> None:
         S = self.max_seq_len
         p = next(self.parameters())
         if getattr(self, "sa_cache", None) is not None and self.sa_cache.size == S:
@@ -448,19 +367,6 @@ class MoADrafter(nn.Module):
             cache.update(start, context.tail_kv[0][i][None], context.tail_kv[1][i][None])
         self.ctx_len += n
 
-    @torch.no_grad()
-    def begin(self, prompt: list[int], context: Any) -> None:
-        self._require_target()
-        self._caches()
-        self.reset()
-        self.tokens = list(prompt)
-        self._add_context(context)
-
-    @torch.no_grad()
-    def observe(self, tokens: list[int], context: Any) -> None:
-        self.tokens.extend(tokens)
-        self._add_context(context)
-
     def _predict(self, x: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
         """SA outputs x [1, n, D] of rows at `positions` -> log-probs [n, K]. The TLI layers write the rows'
         own K/V at tentative slots [start, start + n) after the verified ones and attend under `mask`."""
@@ -468,7 +374,7 @@ class MoADrafter(nn.Module):
         tli_kv = [dict(cache=cache, start=start) for cache in self.tli_caches]
         _, final = self._after_sa(x, positions, self.ca_cache.k[:, :, :L], self.ca_cache.v[:, :, :L], None,
                                   tli_kv, mask)
-        return torch.log_softmax(self.logits(final[0]), -1)
+        return self._logprobs(final[0])
 
     @torch.no_grad()
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
@@ -480,39 +386,24 @@ class MoADrafter(nn.Module):
         dev = self.sa_cos.device
         # SA over the tokens accepted since the last round + the root, in one causal pass (root committed:
         # it will be in the target's cache after verification). Only the root row goes on.
-        pending = [*self.tokens[self.sa_len:], root]
-        n = len(pending)
         start = self.sa_len
+        pending = [*self.tokens[start:], root]
         pos = torch.arange(start, P + 1, device=dev)
-        mask = None
-        if n > 1:
-            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=dev), causal_mask(n, dev)], 1)
         x = self.sa(self.embed[torch.tensor(pending, device=dev)][None], self.sa_cos[pos], self.sa_sin[pos],
-                    mask, self.sa_cache, start)
+                    pending_mask(start, len(pending), dev), self.sa_cache, start)
         self.sa_len = P + 1
         root_lp = self._predict(x[:, -1:], pos[-1:], P, None)[0]  # TLI: the root's own K/V at slot P
 
         # Drafted nodes get tentative slots P+1, P+2, ... in the SA and TLI caches (overwritten next round).
         slot_of = {0: P}
-        next_slot = P + 1
 
         def expand(tree: Tree, frontier: list[int]) -> torch.Tensor:
-            nonlocal next_slot
-            f, first = len(frontier), next_slot
-            for r, node in enumerate(frontier):
-                slot_of[node] = first + r
-            mask = torch.zeros(f, first + f, dtype=torch.bool, device=dev)
-            mask[:, : P + 1] = True  # verified tokens and the root
-            for r, node in enumerate(frontier):
-                p = node
-                while p > 0:
-                    mask[r, slot_of[p]] = True
-                    p = tree.parents[p]
+            # rows see the verified tokens and the root (slots 0..P), their ancestors and themselves
+            first, mask = place_frontier(tree, frontier, slot_of, P + 1, dev)
             positions = torch.tensor([P + tree.depths[node] for node in frontier], device=dev)
             ids = torch.tensor([tree.tokens[node] for node in frontier], device=dev)
             x = self.sa(self.embed[ids][None], self.sa_cos[positions], self.sa_sin[positions], mask,
                         self.sa_cache, first)
-            next_slot = first + f
             return self._predict(x, positions, first, mask)
 
         return grow_tree(root, root_lp, expand, cfg, vocab=self.draft_vocab)
@@ -522,74 +413,22 @@ class MoADrafter(nn.Module):
 def save(drafter: MoADrafter, folder: str | Path, fp16: bool = False) -> Path:
     """Write config.json (kind "moa", all sizes, target name + fingerprint) and model.safetensors
     (trainable weights + vocab ids only; fp16 halves the float tensors)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for k, t in drafter.trainable_state_dict().items():
-        t = t.detach().to("cpu")
-        tensors[k] = (t.half() if fp16 and t.is_floating_point() else t).contiguous()
-    config = {"kind": KIND, "format_version": FORMAT_VERSION, "dtype": "fp16" if fp16 else "fp32",
-              **asdict(drafter.cfg)}
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"kind": KIND})
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return folder
+    return save_checkpoint(drafter, folder, KIND, fp16)
 
 
 def read_config(folder: str | Path) -> MoAConfig:
-    path = Path(folder) / CONFIG_FILE
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"no MoA drafter checkpoint at {folder}: {CONFIG_FILE} is missing") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-    if not isinstance(raw, dict) or raw.get("kind") != KIND:
-        kind = raw.get("kind") if isinstance(raw, dict) else None
-        raise UserError(f"{path} is not an MoA drafter checkpoint (kind {kind!r}, expected {KIND!r})")
-    if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
-        raise UserError(f"{path} has format version {raw['format_version']}; this moaspec reads {FORMAT_VERSION}")
-    names = {f.name for f in fields(MoAConfig)}
-    try:
-        return MoAConfig(**{k: v for k, v in raw.items() if k in names})
-    except TypeError as e:
-        raise UserError(f"{path} is incomplete: {e}") from None
+    return read_checkpoint_config(folder, KIND, MoAConfig)
 
 
 def load(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> MoADrafter:
     """Load a drafter saved by `save` and attach it to `target`. UserError for a checkpoint of another
     target (name, weights fingerprint or dimensions) and for missing or corrupt files."""
-    folder = Path(folder)
-    cfg = read_config(folder)
-    if cfg.target_fingerprint != fingerprint or cfg.target_name != target_name:
-        raise UserError(
-            f"the MoA drafter in {folder} was trained for target {cfg.target_name!r} (weights fingerprint "
-            f"{cfg.target_fingerprint}), not for {target_name!r} (fingerprint {fingerprint}); "
-            "use a drafter trained for this target"
-        )
-    cfg.check_target(target.cfg)
-    path = folder / WEIGHTS_FILE
-    if not path.is_file():
-        raise UserError(f"the MoA drafter checkpoint {folder} has no {WEIGHTS_FILE}")
-    try:
-        tensors = load_file(str(path), device=str(target.device))
-    except Exception as e:  # safetensors raises SafetensorError, OSError, ValueError... on bad files
-        raise UserError(f"cannot read {path} (corrupt or truncated? retrain or copy it again): {e}") from None
-    drafter = MoADrafter.from_target(target, cfg)
-    try:
-        drafter.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:
-        raise UserError(f"{path} does not match its {CONFIG_FILE}: {e}") from None
-    if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
-        raise UserError(f"{path} holds non-finite weights")
-    if cfg.vocab_ids and (drafter.vocab_ids.min() < 0 or drafter.vocab_ids.max() >= cfg.vocab_size):
-        raise UserError(f"{path} holds vocabulary ids outside the target's vocabulary")
-    return drafter.eval()
+    return load_checkpoint(folder, KIND, MoADrafter, target, target_name, fingerprint)
 
 
 def param_count(cfg: MoAConfig) -> int:
-    """Trainable parameters of a drafter with these sizes (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        return MoADrafter(cfg, max_seq_len=1).num_trainable_parameters()
+    """Trainable parameters of a drafter with these sizes (no memory used)."""
+    return MoADrafter.param_count(cfg)
 
 
 __all__ = [

@@ -1,0 +1,327 @@
+"""What the trained drafters (MoA, EAGLE-2, independent) share.
+
+- `TargetBoundConfig`: the config side: a drafter is built for one target (name, weights fingerprint,
+  dimensions) and keeps K = `vocab_ids` rows of its LM head (0 = the full vocabulary).
+- `TargetBoundDrafter`: the module side: the target's frozen embedding and (trimmed) LM head shared by
+  `attach`, the `vocab_ids` buffer, the state dict of trainable weights, and the begin/observe plumbing
+  of the `drafters.base.Drafter` protocol.
+- Checkpoints: `save_checkpoint`/`read_checkpoint_config`/`load_checkpoint` by `kind` (config.json +
+  model.safetensors, trainable weights and vocab ids only).
+- Drafting masks over the drafter's own KV caches: `causal_mask`, `pending_mask` (the rows committed
+  since the last round) and `place_frontier`/`tree_rows_mask` (one level of tree expansion in
+  tentative cache slots).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from moaspec.decoding.tree import Tree
+from moaspec.errors import UserError
+from moaspec.models.runtime import ModelConfig, Transformer
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+# ============================================================================= configs
+def check_heads(label: str, heads: int, kv_heads: int) -> None:
+    """UserError unless an attention layer's `heads` are a (positive) multiple of its `kv_heads`."""
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise UserError(f"{label}: {heads} heads are not a multiple of {kv_heads} KV heads")
+
+
+def check_dims(label: str, target_name: str, want: dict[str, int], model_cfg: ModelConfig) -> None:
+    """UserError unless `model_cfg` has the dimensions `want` (a drafter's record of its target)."""
+    have = {k: getattr(model_cfg, k) for k in want}
+    if want != have:
+        bad = ", ".join(f"{k} {want[k]} vs {have[k]}" for k in want if want[k] != have[k])
+        raise UserError(f"this {label} drafter was built for target {target_name!r}, whose dimensions differ "
+                        f"from the loaded target's ({bad})")
+
+
+class TargetBoundConfig:
+    """Mixin of the drafter config dataclasses. They have the fields `target_name`, `target_fingerprint`,
+    `vocab_size`, `vocab_ids` and the target dimensions named by `target_dims` (class attributes, not
+    fields: `label` (the drafter's name in messages), `target_dims` for `check_target`)."""
+
+    label: ClassVar[str]
+    target_dims: ClassVar[tuple[str, ...]]
+    target_name: str
+    vocab_size: int
+    vocab_ids: int
+
+    def _check_vocab_ids(self) -> None:
+        if not 0 <= self.vocab_ids <= self.vocab_size:
+            raise UserError(f"vocab_ids must be in 0..{self.vocab_size}, got {self.vocab_ids}")
+
+    @property
+    def head_size(self) -> int:
+        """Rows of the drafter's LM head (K, or the full vocabulary)."""
+        return self.vocab_ids or self.vocab_size
+
+    def check_target(self, model_cfg: ModelConfig) -> None:
+        """UserError unless `model_cfg` has the dimensions this drafter was built for."""
+        check_dims(self.label, self.target_name, {k: getattr(self, k) for k in self.target_dims}, model_cfg)
+
+
+# ============================================================================= drafting masks
+def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+def pending_mask(start: int, n: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """Rows written at cache slots [start, start + n): all earlier slots, causal among themselves."""
+    if n == 1:
+        return None
+    return torch.cat([torch.ones(n, start, dtype=torch.bool, device=device), causal_mask(n, device)], 1)
+
+
+def tree_rows_mask(tree: Tree, frontier: list[int], slot_of: dict[int, int], committed: int, first: int,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """bool [f, first + f] for frontier rows written at slots first.. : every committed slot
+    [0, committed), the tentative slots of the node's ancestors (from `slot_of`), and the row itself."""
+    f = len(frontier)
+    mask = torch.zeros(f, first + f, dtype=torch.bool, device=device)
+    mask[:, :committed] = True
+    for r, node in enumerate(frontier):
+        mask[r, first + r] = True
+        p = tree.parents[node]
+        while p > 0:
+            mask[r, slot_of[p]] = True
+            p = tree.parents[p]
+    return mask
+
+
+def place_frontier(tree: Tree, frontier: list[int], slot_of: dict[int, int], committed: int,
+                   device: torch.device | str | None = None) -> tuple[int, torch.Tensor]:
+    """One level of tree expansion: give the frontier rows the next tentative cache slots, in order after
+    the last slot in `slot_of` (tree node -> slot; it starts as {0: the root's slot}), record them there,
+    and return (the first of them, their `tree_rows_mask`)."""
+    first = max(slot_of.values()) + 1
+    for r, node in enumerate(frontier):
+        slot_of[node] = first + r
+    return first, tree_rows_mask(tree, frontier, slot_of, committed, first, device)
+
+
+# ============================================================================= drafters
+class TargetBoundDrafter(nn.Module):
+    """Base of the trained drafters: trainable weights built from a `TargetBoundConfig`; the target's
+    frozen embedding and LM head (rows `vocab_ids`) are shared by `attach`, not copied, and are not in
+    the state dict (which holds the trainable weights and the `vocab_ids` buffer).
+
+    Subclasses implement `reset` (drafting state; it sets `tokens`, the committed tokens), `_allocate`
+    (their caches) and, if the target sends context, `_add_context`; `begin`/`observe` are here."""
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type[TargetBoundConfig]]
+
+    def __init__(self, cfg: Any, max_seq_len: int = 4096):
+        super().__init__()
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.register_buffer("vocab_ids", torch.arange(cfg.vocab_ids))  # placeholder ids; see set_vocab_ids
+        self.register_load_state_dict_post_hook(TargetBoundDrafter._after_load)  # new ids -> new trimmed head
+        self.target_cfg: ModelConfig | None = None
+        self.embed: torch.Tensor | None = None
+        self.full_head: torch.Tensor | None = None
+        self.head: torch.Tensor | None = None  # [K, D]: full_head rows of vocab_ids (or full_head itself)
+        self.tokens: list[int] = []
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    # ------------------------------------------------------------------ frozen target parts
+    @classmethod
+    def from_target(cls, target: Transformer, cfg: Any, vocab_ids: torch.Tensor | None = None):
+        """A drafter (fresh trainable weights) with the target's frozen parts attached, on its device."""
+        drafter = cls(cfg, max_seq_len=target.max_seq_len).to(target.device)
+        drafter.attach(target)
+        if vocab_ids is not None:
+            drafter.set_vocab_ids(vocab_ids)
+        return drafter
+
+    def attach(self, target: Transformer) -> None:
+        """Share the target's embedding and LM head (no copies)."""
+        self.cfg.check_target(target.cfg)
+        self.target_cfg = target.cfg
+        self.embed = target.embed
+        self.full_head = target.lm_head_weight.float()
+        self._trim_head()
+
+    def set_vocab_ids(self, ids: torch.Tensor) -> None:
+        """Choose the target token ids the trimmed head keeps (K = cfg.vocab_ids of them, distinct)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.vocab_ids.device)
+        if ids.shape != (self.cfg.vocab_ids,) or ids.unique().numel() != ids.numel():
+            raise UserError(f"vocab_ids must be {self.cfg.vocab_ids} distinct token ids, got shape {tuple(ids.shape)}")
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.cfg.vocab_size):
+            raise UserError(f"vocab_ids must lie in 0..{self.cfg.vocab_size - 1}")
+        self.vocab_ids.copy_(ids)
+        self._trim_head()
+
+    @staticmethod
+    def _after_load(module: TargetBoundDrafter, incompatible_keys: Any) -> None:
+        module._trim_head()
+
+    def _trim_head(self) -> None:
+        if self.full_head is not None:
+            self.head = self.full_head[self.vocab_ids].contiguous() if self.cfg.vocab_ids else self.full_head
+
+    def _require_target(self) -> None:
+        if self.embed is None:
+            raise UserError(f"the {self.cfg.label} drafter has no target attached: build it with "
+                            f"{type(self).__name__}.from_target or load()")
+
+    # ------------------------------------------------------------------ bookkeeping
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything a checkpoint holds: the trainable weights and the `vocab_ids` buffer."""
+        return dict(self.state_dict())
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    @classmethod
+    def param_count(cls, cfg: Any) -> int:
+        """Trainable parameters of a drafter with these sizes (built on the meta device: no memory)."""
+        with torch.device("meta"):
+            return cls(cfg, max_seq_len=1).num_trainable_parameters()
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """Drafter vocabulary index -> target token id (None: the full vocabulary, identity)."""
+        return self.vocab_ids if self.cfg.vocab_ids else None
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """LM-head logits over the drafter's vocabulary for states [..., D]."""
+        self._require_target()
+        return F.linear(final, self.head)
+
+    def _logprobs(self, final: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.logits(final), -1)
+
+    # ------------------------------------------------------------------ Drafter protocol: begin / observe
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def _allocate(self) -> None:
+        raise NotImplementedError
+
+    def _add_context(self, context: Any) -> None:
+        """Take in what the target sends for newly committed tokens (nothing, unless overridden)."""
+
+    @torch.no_grad()
+    def begin(self, prompt: list[int], context: Any = None) -> None:
+        self._require_target()
+        self._allocate()
+        self.reset()
+        self.tokens = list(prompt)
+        self._add_context(context)
+
+    @torch.no_grad()
+    def observe(self, tokens: list[int], context: Any = None) -> None:
+        self.tokens.extend(tokens)
+        self._add_context(context)
+
+
+# ============================================================================= checkpoints
+def save_checkpoint(drafter: TargetBoundDrafter, folder: str | Path, kind: str, fp16: bool = False) -> Path:
+    """config.json (kind, format version, dtype, every config field) + model.safetensors (trainable
+    weights and vocab ids only; fp16 halves the float tensors)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for k, t in drafter.trainable_state_dict().items():
+        t = t.detach().to("cpu")
+        tensors[k] = (t.half() if fp16 and t.is_floating_point() else t).contiguous()
+    config = {"kind": kind, "format_version": FORMAT_VERSION, "dtype": "fp16" if fp16 else "fp32",
+              **asdict(drafter.cfg)}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"kind": kind})
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def read_checkpoint_config(folder: str | Path, kind: str, cfg_cls: type[TargetBoundConfig]) -> Any:
+    """The config (a `cfg_cls`) of the `kind` checkpoint in `folder` (UserError: missing, corrupt, other
+    kind, newer format, missing fields)."""
+    label = cfg_cls.label
+    path = Path(folder) / CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"no {label} drafter checkpoint at {folder}: {CONFIG_FILE} is missing") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path} (corrupt?): {e}") from None
+    if not isinstance(raw, dict) or raw.get("kind") != kind:
+        got = raw.get("kind") if isinstance(raw, dict) else None
+        raise UserError(f"{path} is not an {label} drafter checkpoint (kind {got!r}, expected {kind!r})")
+    if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+        raise UserError(f"{path} has format version {raw['format_version']}; this moaspec reads {FORMAT_VERSION}")
+    names = {f.name for f in fields(cfg_cls)}
+    try:
+        return cfg_cls(**{k: v for k, v in raw.items() if k in names})
+    except TypeError as e:
+        raise UserError(f"{path} is incomplete: {e}") from None
+
+
+def load_checkpoint(folder: str | Path, kind: str, cls: type[TargetBoundDrafter], target: Transformer,
+                    target_name: str, fingerprint: str) -> Any:
+    """Load a drafter saved by `save_checkpoint` and attach it to `target`. UserError for a checkpoint
+    of another target (name, weights fingerprint or dimensions) and for missing or corrupt files."""
+    folder = Path(folder)
+    label = cls.config_cls.label
+    cfg = read_checkpoint_config(folder, kind, cls.config_cls)
+    if cfg.target_fingerprint != fingerprint or cfg.target_name != target_name:
+        raise UserError(
+            f"the {label} drafter in {folder} was trained for target {cfg.target_name!r} (weights fingerprint "
+            f"{cfg.target_fingerprint}), not for {target_name!r} (fingerprint {fingerprint}); "
+            "use a drafter trained for this target"
+        )
+    cfg.check_target(target.cfg)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise UserError(f"the {label} drafter checkpoint {folder} has no {WEIGHTS_FILE}")
+    try:
+        tensors = load_file(str(path), device=str(target.device))
+    except Exception as e:  # safetensors raises SafetensorError, OSError, ValueError... on bad files
+        raise UserError(f"cannot read {path} (corrupt or truncated? retrain or copy it again): {e}") from None
+    drafter = cls.from_target(target, cfg)
+    try:
+        drafter.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise UserError(f"{path} does not match its {CONFIG_FILE}: {e}") from None
+    if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
+        raise UserError(f"{path} holds non-finite weights")
+    if cfg.vocab_ids and (drafter.vocab_ids.min() < 0 or drafter.vocab_ids.max() >= cfg.vocab_size):
+        raise UserError(f"{path} holds vocabulary ids outside the target's vocabulary")
+    return drafter.eval()
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "FORMAT_VERSION",
+    "WEIGHTS_FILE",
+    "TargetBoundConfig",
+    "TargetBoundDrafter",
+    "causal_mask",
+    "check_dims",
+    "check_heads",
+    "load_checkpoint",
+    "pending_mask",
+    "place_frontier",
+    "read_checkpoint_config",
+    "save_checkpoint",
+    "tree_rows_mask",
+]
