@@ -9,6 +9,7 @@ deduplicated train/validation split and a manifest (counts, tokens, wall time, s
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -73,10 +74,12 @@ def generate(cfg: DataConfig, out_root: Path, time_budget_s: float | None = None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     encoded = {p.id: encode(p) for p in todo}
-    batches = []
+    per_mode = []
     for mode in ("greedy", "sampled"):
         group = sorted((p for p in todo if modes[p.id] == mode), key=lambda p: len(encoded[p.id]))
-        batches += [(mode, group[i:i + cfg.batch_size]) for i in range(0, len(group), cfg.batch_size)]
+        per_mode.append([(mode, group[i:i + cfg.batch_size]) for i in range(0, len(group), cfg.batch_size)])
+    # alternate greedy and sampled batches, so that a job stopped early still holds both kinds
+    batches = [b for pair in itertools.zip_longest(*per_mode) for b in pair if b is not None]
     t0 = time.time()
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distillation", unit="prompt")
     new_tokens = 0

@@ -1,0 +1,46 @@
+"""The drafter checkpoints that ship with the package: they load, and greedy speculative output with
+each one is token-identical to plain greedy (or parts at a documented near-tie)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import SMOL, assert_same_or_near_tie
+from prompts import PROMPTS
+
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.tree import TreeConfig
+from moaspec.drafters import TRAINED, resolve_auto, shipped_checkpoint
+
+SHIPPED = [kind for kind in TRAINED if shipped_checkpoint(kind, SMOL).exists()]
+
+
+def test_moa_ships_for_the_default_target_and_is_the_default():
+    assert "moa" in SHIPPED
+    assert resolve_auto(SMOL) == "moa"
+
+
+@pytest.fixture(scope="module", params=SHIPPED)
+def trained(request):
+    from moaspec.pipeline import SpecDecoder
+
+    return request.param, SpecDecoder(SMOL, drafter=request.param, tree=TreeConfig())
+
+
+def test_shipped_drafter_is_lossless_and_useful(trained, plain_greedy):
+    kind, dec = trained
+    taus = []
+    for i, prompt in enumerate(PROMPTS[:8]):
+        prompt_ids, plain = plain_greedy(prompt, 64)
+        g = dec.generate(prompt_ids, GenerationConfig(max_new_tokens=64))
+        assert_same_or_near_tie(dec.target, prompt_ids, plain, g.token_ids, f"{kind} prompt {i}")
+        taus.append(g.metrics.tau)
+    # a trained drafter must get more than the bonus token per target call on average
+    assert sum(taus) / len(taus) > 1.3, (kind, taus)
+
+
+def test_shipped_drafter_samples(trained):
+    kind, dec = trained
+    cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingParams(temperature=1.0, seed=0))
+    g = dec.generate(PROMPTS[0], cfg)
+    assert 1 <= g.metrics.new_tokens <= 32 and g.metrics.tau >= 1.0
