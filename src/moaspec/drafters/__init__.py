@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,8 +29,13 @@ def shipped_checkpoint(kind: str, model: str) -> Path:
 
 
 def resolve_auto(model: str) -> str:
-    """`auto`: the MoA drafter where one ships for the target, else prompt lookup (needs no training)."""
-    return "moa" if shipped_checkpoint("moa", model).exists() else "lookup"
+    """`auto`: the MoA drafter shipped for the target once its checkpoint is marked as the default
+    (`"default": true` in its training.json, set when it measured faster than prompt lookup), else
+    prompt lookup, which needs no training."""
+    meta = shipped_checkpoint("moa", model) / "training.json"
+    if meta.exists() and json.loads(meta.read_text()).get("default", False):
+        return "moa"
+    return "lookup"
 
 
 def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None,
