@@ -3,6 +3,8 @@ plain decode tokens/s against transformers `generate`, the cost of scoring k tok
 relative to one decode step, and tau / speedup of the training-free drafters.
 
     python -m moaspec.bench.runtime --model qwen2.5-coder-0.5b
+    python -m moaspec.bench.runtime --model smollm2-135m --parts drafters --drafters lookup,moa,eagle,independent \
+        --prompts-from data/smollm2-135m-v1-seed0/val.jsonl --max-prompts 10 --new-tokens 96
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import TreeConfig
+from moaspec.drafters import TRAINED
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve
 from moaspec.pipeline import SpecDecoder, load_tokenizer
@@ -98,18 +104,20 @@ def scoring_cost(folder, weights: str, context: int = 200, ks=(1, 2, 4, 8, 16, 3
 
 
 def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights: str, new_tokens: int,
-                    trees: list[TreeConfig]) -> dict:
+                    trees: list[TreeConfig], prompts: list[str] = PROMPTS, temperature: float = 0.0,
+                    checkpoints: str | None = None) -> dict:
     """tau and tokens/s of each (drafter, tree) against plain decoding, interleaved per prompt, on one copy
     of the target; every greedy answer is checked token-identical to the plain one."""
     dec = SpecDecoder(model, drafter="none", weights=weights)
     engines = {"none": dec.engine}
     for name, draft_model in drafters:
         for tree in trees:
-            dec.set_drafter(name, draft_model=draft_model, tree=tree)
+            path = str(Path(checkpoints) / name) if checkpoints and name in TRAINED else None
+            dec.set_drafter(name, draft_model=draft_model, drafter_path=path, tree=tree)
             engines[f"{name} d{tree.depth}k{tree.topk}t{tree.total_tokens}"] = dec.engine
-    cfg = GenerationConfig(max_new_tokens=new_tokens)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingParams(temperature=temperature, seed=0))
     rows: dict[str, dict[str, list[float]]] = {k: {"tps": [], "tau": [], "mismatch": []} for k in engines}
-    for p in PROMPTS:
+    for p in tqdm(prompts, desc="prompts", disable=len(prompts) < 8):
         base = None
         for name, engine in engines.items():
             dec.engine = engine
@@ -117,7 +125,7 @@ def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights:
             base = g.token_ids if base is None else base
             rows[name]["tps"].append(g.metrics.tokens_per_s)
             rows[name]["tau"].append(g.metrics.tau)
-            rows[name]["mismatch"].append(float(g.token_ids != base))
+            rows[name]["mismatch"].append(float(temperature == 0 and g.token_ids != base))
     plain = statistics.mean(rows["none"]["tps"])
     return {name: {"tokens_per_s": round(statistics.mean(r["tps"]), 2), "tau": round(statistics.mean(r["tau"]), 3),
                    "speedup": round(statistics.mean(r["tps"]) / plain, 3), "mismatches": int(sum(r["mismatch"]))}
@@ -134,6 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafters", default="lookup,model", help="comma-separated drafter names to compare")
     ap.add_argument("--weights", default="fp32")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--prompts-from", default=None, help="a .jsonl with a 'prompt' field (e.g. a data set's val split)")
+    ap.add_argument("--max-prompts", type=int, default=12)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--checkpoints", default=None, help="folder with <kind>/ checkpoints of trained drafters")
+    ap.add_argument("--trees", default="3,1,3;4,4,6", help="draft trees 'depth,topk,total;...'")
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = resolve(a.model)
@@ -151,8 +164,13 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"scoring": result["scoring"]}), flush=True)
     if "drafters" in parts:
         drafters = [(d, a.draft_model if d == "model" else None) for d in a.drafters.split(",")]
-        trees = [TreeConfig(depth=3, topk=1, total_tokens=3), TreeConfig()]
-        result["drafters"] = drafter_speedup(a.model, drafters, a.weights, a.new_tokens, trees)
+        trees = [TreeConfig(*map(int, t.split(","))) for t in a.trees.split(";")]
+        prompts = PROMPTS
+        if a.prompts_from:
+            lines = Path(a.prompts_from).read_text().splitlines()
+            prompts = [json.loads(x)["prompt"] for x in lines if x.strip()][: a.max_prompts]
+        result["drafters"] = drafter_speedup(a.model, drafters, a.weights, a.new_tokens, trees, prompts,
+                                             a.temperature, a.checkpoints)
         print(json.dumps({"drafters": result["drafters"]}), flush=True)
     if a.out:
         with open(a.out, "w") as f:
