@@ -74,6 +74,8 @@ def generate(cfg: DataConfig, out_root: Path, time_budget_s: float | None = None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     encoded = {p.id: encode(p) for p in todo}
+    eos_ids = model.generation_config.eos_token_id
+    eos = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
     per_mode = []
     for mode in ("greedy", "sampled"):
         group = sorted((p for p in todo if modes[p.id] == mode), key=lambda p: len(encoded[p.id]))
@@ -96,8 +98,6 @@ def generate(cfg: DataConfig, out_root: Path, time_budget_s: float | None = None
                                      do_sample=mode == "sampled", temperature=cfg.temperature if mode == "sampled"
                                      else None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
             for p, row in zip(batch, gen[:, width:].tolist(), strict=True):
-                eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id,
-                          list) else [model.generation_config.eos_token_id])
                 cut = next((i for i, t in enumerate(row) if t in eos), len(row))
                 response = tok.decode(row[:cut], skip_special_tokens=True)
                 new_tokens += cut
