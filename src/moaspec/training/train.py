@@ -136,8 +136,9 @@ class Trainer:
         self.out = Path(cfg.out)
 
     # ------------------------------------------------------------------ target pass
-    def target_pass(self, ex: Example) -> dict[str, torch.Tensor]:
-        """Everything the drafter needs from the frozen target for one sequence (no autograd)."""
+    def target_pass(self, ex: Example, greedy: bool = False) -> dict[str, torch.Tensor]:
+        """Everything the drafter needs from the frozen target for one sequence (no autograd); with
+        `greedy`, also the target's full-vocabulary argmax per row (validation only: a full LM head)."""
         t = self.target
         t.reset()
         out = t.forward(torch.tensor(ex.ids), logits_rows=slice(0, 0), hidden_layers=self.layers)
@@ -148,7 +149,9 @@ class Trainer:
         with torch.inference_mode():
             target_logits = F.linear(final, head)  # over the drafter's vocabulary
         res = {"k": K.permute(2, 0, 1, 3), "v": V.permute(2, 0, 1, 3), "final": final,
-               "probs": target_logits.softmax(-1), "argmax": t.lm_head(final).argmax(-1)}
+               "probs": target_logits.softmax(-1)}
+        if greedy:
+            res["argmax"] = t.lm_head(final).argmax(-1)
         if self.cfg.kind == "moa" and self.cfg.tli_layers:
             N = self.cfg.tli_layers
             res["mid"] = out.hidden[t.cfg.num_layers - N]
@@ -159,7 +162,8 @@ class Trainer:
     def sequence_loss(self, ex: Example, every: int, curriculum: bool) -> tuple[torch.Tensor, dict]:
         """Loss of one sequence and what validation reads: top-1 agreement with the target's greedy
         token per loss row, and the draft depth of each row (steps ahead of the last verified token)."""
-        tp = self.target_pass(ex)
+        validating = not self.drafter.training
+        tp = self.target_pass(ex, greedy=validating)
         T = len(ex.ids)
         rows = torch.arange(T)
         # MoA/independent row i predicts x_{i+1}; keep rows whose next token is an assistant token.
@@ -189,11 +193,12 @@ class Trainer:
         else:
             reg = F.smooth_l1_loss(hidden[keep], tp["final"][t])
         loss = self.cfg.ce_weight * ce + reg
-        vocab = self.drafter.draft_vocab
-        pred = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
-        agree = pred == tp["argmax"][t]
-        return loss, {"ce": ce.item(), "reg": reg.item(), "tokens": int(keep.sum()), "agree": agree,
-                      "depth": depth[keep]}
+        stats = {"ce": ce.item(), "reg": reg.item(), "tokens": int(keep.sum()), "depth": depth[keep]}
+        if validating:
+            vocab = self.drafter.draft_vocab
+            pred = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
+            stats["agree"] = pred == tp["argmax"][t]
+        return loss, stats
 
     def moa_outputs(self, ex: Example, tp: dict, start: torch.Tensor, curriculum: bool):
         ctx = self.drafter.encoder(tp["k"][None], tp["v"][None])
