@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.tree import Tree
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve
 
@@ -136,3 +137,24 @@ def assert_same_or_near_tie(model: Transformer, prompt_ids: list[int], plain: li
            f"other {other[k:k + 3]}); plain top-2 logit margin there = {margin:.3e}")
     assert margin < NEAR_TIE, msg
     warnings.warn(f"near-tie accepted: {msg}", stacklevel=2)
+
+
+def record_grow_tree(monkeypatch, module):
+    """Capture the root log-probs and every expand() result of the next propose()."""
+    seen: dict = {"expand": []}
+    real = module.grow_tree
+
+    def spy(root, root_logprobs, expand, cfg, vocab=None):
+        seen["root"] = root_logprobs.clone()
+
+        def recording_expand(tree, frontier):
+            lp = expand(tree, frontier)
+            seen["expand"].append((Tree(list(tree.tokens), list(tree.parents)), list(frontier), lp.clone()))
+            return lp
+
+        tree = real(root, root_logprobs, recording_expand, cfg, vocab)
+        seen["tree"] = tree
+        return tree
+
+    monkeypatch.setattr(module, "grow_tree", spy)
+    return seen

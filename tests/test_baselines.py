@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import chat_ids
+from conftest import chat_ids, record_grow_tree
 from prompts import PROMPTS
 
 import moaspec.drafters.eagle as eagle
@@ -187,25 +187,6 @@ def test_untrained_drafter_in_engine_is_lossless(smol_model, greedy_reference, k
 
 
 # ----------------------------------------------------------------------------- inference == training
-def _record_grow_tree(monkeypatch, module):
-    """Capture the root log-probs and every expand() result of the next propose()."""
-    seen: dict = {"expand": []}
-    real = module.grow_tree
-
-    def spy(root, root_logprobs, expand, cfg, vocab=None):
-        seen["root"] = root_logprobs.clone()
-
-        def recording_expand(tree, frontier):
-            lp = expand(tree, frontier)
-            seen["expand"].append((Tree(list(tree.tokens), list(tree.parents)), list(frontier), lp.clone()))
-            return lp
-
-        tree = real(root, root_logprobs, recording_expand, cfg, vocab)
-        seen["tree"] = tree
-        return tree
-
-    monkeypatch.setattr(module, "grow_tree", spy)
-    return seen
 
 
 def _eagle_node_logprobs(smol_model, d: EagleDrafter, committed: list[int], feats: torch.Tensor,
@@ -258,7 +239,7 @@ def test_inference_equals_training(smol_model, monkeypatch, kind, vocab_ids):
     if kind == "eagle":
         assert step.context.shape == (len(prompt), smol_model.cfg.hidden_size)
     d.begin(prompt, step.context)
-    seen = _record_grow_tree(monkeypatch, module)
+    seen = record_grow_tree(monkeypatch, module)
     d.propose(root, cfg)
     feats = _features(smol_model, prompt) if kind == "eagle" else None
     _check_round(smol_model, d, seen, prompt, root, feats)
@@ -268,7 +249,7 @@ def test_inference_equals_training(smol_model, monkeypatch, kind, vocab_ids):
     step = target.verify(Tree.chain(root, plain[1:4]))
     assert step.verdict.accepted == plain[1:4]
     d.observe([root, *plain[1:4]], step.context)
-    seen = _record_grow_tree(monkeypatch, module)
+    seen = record_grow_tree(monkeypatch, module)
     d.propose(step.verdict.bonus, cfg)
     committed = [*prompt, *plain[:4]]
     feats = _features(smol_model, committed) if kind == "eagle" else None  # training's features: one prefill

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import chat_ids
+from conftest import chat_ids, record_grow_tree
 from prompts import PROMPTS
 
 import moaspec.drafters.moa as moa
@@ -192,25 +192,6 @@ def test_untrained_drafter_in_engine_is_lossless(smol_model, greedy_reference, t
 
 
 # ----------------------------------------------------------------------------- inference == training
-def _record_grow_tree(monkeypatch):
-    """Capture the root log-probs and every expand() result of the next propose()."""
-    seen: dict = {"expand": []}
-    real = moa.grow_tree
-
-    def spy(root, root_logprobs, expand, cfg, vocab=None):
-        seen["root"] = root_logprobs.clone()
-
-        def recording_expand(tree, frontier):
-            lp = expand(tree, frontier)
-            seen["expand"].append((Tree(list(tree.tokens), list(tree.parents)), list(frontier), lp.clone()))
-            return lp
-
-        tree = real(root, root_logprobs, recording_expand, cfg, vocab)
-        seen["tree"] = tree
-        return tree
-
-    monkeypatch.setattr(moa, "grow_tree", spy)
-    return seen
 
 
 def _train_logprobs(smol_model, d: MoADrafter, seq: list[int], verified: int) -> torch.Tensor:
@@ -260,7 +241,7 @@ def test_inference_equals_training_with_masks(smol_model, monkeypatch, tli_layer
     root = step.verdict.bonus
     assert root == plain[0] and isinstance(step.context, MoAContext) and len(step.context) == len(prompt)
     d.begin(prompt, step.context)
-    seen = _record_grow_tree(monkeypatch)
+    seen = record_grow_tree(monkeypatch, moa)
     d.propose(root, cfg)
     _check_round(smol_model, d, seen, prompt, root)
 
@@ -269,7 +250,7 @@ def test_inference_equals_training_with_masks(smol_model, monkeypatch, tli_layer
     step = target.verify(Tree.chain(root, plain[1:4]))
     assert step.verdict.accepted == plain[1:4]
     d.observe([root, *plain[1:4]], step.context)
-    seen = _record_grow_tree(monkeypatch)
+    seen = record_grow_tree(monkeypatch, moa)
     d.propose(step.verdict.bonus, cfg)
     _check_round(smol_model, d, seen, [*prompt, *plain[:4]], step.verdict.bonus)
 
