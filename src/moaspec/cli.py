@@ -78,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", default=DEFAULT_MODEL)
     tr.add_argument("--data", required=True, help="folder with train.jsonl / val.jsonl (from `moaspec data`)")
     tr.add_argument("--out", required=True, help="run folder: checkpoints, trainer state (resumes), history")
-    tr.add_argument("--kind", default="moa", choices=("moa", "eagle", "independent"),
-                    help="drafter to train; the baselines use the same data, loop and budget")
-    tr.add_argument("--tli", type=int, default=0, choices=(0, 1, 3), help="MoA Target Layer Inference N")
+    tr.add_argument("--kind", default="moa",
+                    help="drafter(s) to train, comma-separated among moa, eagle, independent; several train "
+                         "side by side on one target pass per sequence (same data, steps and budget)")
+    tr.add_argument("--tli", default="0", help="MoA Target Layer Inference N; e.g. 0,1,3 trains one MoA per N")
     tr.add_argument("--vocab", type=int, default=16384, help="trimmed drafter head size K (0 = full)")
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--batch-size", type=int, default=4)

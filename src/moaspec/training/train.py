@@ -3,7 +3,10 @@ and independent baselines with the same data, loop, loss weights and budget.
 
 Why the target runs in the loop instead of from cached features: on this CPU one epoch is all a
 working session affords, so a feature cache would be read once and pay nothing back, while it costs
-23 KB per token for SmolLM2 (all layers' K/V in fp16) and 12 KB for Qwen 0.5B.
+23 KB per token for SmolLM2 (all layers' K/V in fp16) and 12 KB for Qwen 0.5B. Instead, several
+drafters train side by side on one target pass per sequence (`kind="moa,eagle,independent"`,
+`tli_layers="0,1,3"`): the same sequences, `every` draws and steps for each, so equal budgets hold by
+construction and the target's share of the cost (~45% for one SmolLM2 drafter) is paid once.
 
 Per sequence: the frozen target gives every layer's K/V and the hidden states; `every` is drawn
 from 6..14; CA row i may read only contexts j <= start_i; SA is causal, except that in the first
@@ -39,8 +42,8 @@ class TrainConfig:
     model: str = "smollm2-135m"
     data: str = ""  # folder with train.jsonl / val.jsonl (training.data)
     out: str = "runs/moa"
-    kind: str = "moa"  # "moa", "eagle" or "independent": same data, loop and budget
-    tli_layers: int = 0
+    kind: str = "moa"  # comma-separated among "moa", "eagle", "independent": trained side by side
+    tli_layers: int | str = 0  # MoA Target Layer Inference N; "0,1,3" trains one MoA per N
     vocab_ids: int = 16384  # trimmed drafter head (0 = full vocabulary)
     steps: int = 300
     batch_size: int = 4
@@ -62,6 +65,38 @@ class TrainConfig:
 class Example:
     ids: list[int]
     prompt_len: int
+
+
+@dataclass
+class Student:
+    """One drafter being trained: its label (run sub-folder), kind, MoA N, weights and optimiser."""
+
+    label: str
+    kind: str
+    tli: int
+    drafter: torch.nn.Module
+    opt: torch.optim.Optimizer
+    seconds: float = 0.0  # time in this drafter's own forward/backward/step
+
+
+def student_specs(kind: str, tli_layers: int | str) -> list[tuple[str, str, int]]:
+    """(label, kind, N) for each drafter a config asks for, e.g. `moa,eagle` with N `0,3` gives
+    moa, moa-n3, eagle."""
+    kinds = [k.strip() for k in str(kind).split(",") if k.strip()]
+    try:
+        tlis = [int(n) for n in str(tli_layers).split(",") if n.strip()]
+    except ValueError:
+        raise UserError(f"Target Layer Inference N must be integers like 0,1,3, not {tli_layers!r}") from None
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise UserError(f"unknown drafter kind {','.join(bad) or kind!r}; choose among {', '.join(KINDS)}")
+    if any(n < 0 for n in tlis) or len(set(kinds)) != len(kinds):
+        raise UserError(f"bad drafter list: kind={kind!r}, tli_layers={tli_layers!r}")
+    specs = []
+    for k in kinds:
+        for n in (tlis or [0]) if k == "moa" else [0]:
+            specs.append((k if n == 0 else f"{k}-n{n}", k, n))
+    return specs
 
 
 def load_examples(tokenizer, path: Path, max_len: int) -> list[Example]:
@@ -102,6 +137,7 @@ class Trainer:
         from moaspec.pipeline import load_tokenizer
 
         self.cfg = cfg
+        specs = student_specs(cfg.kind, cfg.tli_layers)
         torch.manual_seed(cfg.seed)
         self.rng = random.Random(cfg.seed)
         folder = resolve(cfg.model)
@@ -110,34 +146,41 @@ class Trainer:
         data = Path(cfg.data)
         if not (data / "train.jsonl").exists():
             raise UserError(f"no training data in {data}: run `moaspec data --model {cfg.model}` first")
-        if cfg.kind not in KINDS:
-            raise UserError(f"unknown drafter kind {cfg.kind!r}; choose one of {', '.join(KINDS)}")
         self.train = load_examples(self.tokenizer, data / "train.jsonl", cfg.max_len)
         self.val = load_examples(self.tokenizer, data / "val.jsonl", cfg.max_len)[: cfg.val_sequences]
         L = self.target.cfg.num_layers
+        if any(n >= L for _, _, n in specs):
+            raise UserError(f"Target Layer Inference N must be below the target's {L} layers")
         vocab = top_vocab(self.train, cfg.vocab_ids, self.target.cfg.vocab_size) if cfg.vocab_ids else None
-        self.module = KINDS[cfg.kind]
         common = dict(vocab_ids=cfg.vocab_ids, target_name=cfg.model, target_fingerprint=weights_fingerprint(folder))
-        if cfg.kind == "moa":
-            dcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=cfg.tli_layers, **common)
-            self.drafter = moa.MoADrafter.from_target(self.target, dcfg, vocab)
-        elif cfg.kind == "eagle":
-            self.drafter = eagle.EagleDrafter.from_target(self.target, eagle.EagleConfig.for_target(
-                self.target.cfg, **common), vocab)
-        else:
-            self.drafter = independent.IndependentDrafter.from_target(
-                self.target, independent.IndependentConfig.for_target(self.target.cfg, **common), vocab)
-        self.drafter.train()
-        self.layers = (L - cfg.tli_layers, L) if cfg.kind == "moa" and cfg.tli_layers else (L,)
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.students: list[Student] = []
+        for label, kind, n in specs:
+            if kind == "moa":
+                dcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=n, **common)
+                drafter = moa.MoADrafter.from_target(self.target, dcfg, vocab)
+            elif kind == "eagle":
+                drafter = eagle.EagleDrafter.from_target(self.target, eagle.EagleConfig.for_target(
+                    self.target.cfg, **common), vocab)
+            else:
+                drafter = independent.IndependentDrafter.from_target(
+                    self.target, independent.IndependentConfig.for_target(self.target.cfg, **common), vocab)
+            drafter.train()
+            params = [p for p in drafter.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+            self.students.append(Student(label, kind, n, drafter, opt))
+        self.layers = tuple(sorted({L} | {L - s.tli for s in self.students}))
         self.step = 0
         self.history: list[dict] = []
         self.out = Path(cfg.out)
 
+    @property
+    def drafter(self) -> torch.nn.Module:
+        """The first (with one kind, the only) drafter."""
+        return self.students[0].drafter
+
     # ------------------------------------------------------------------ target pass
-    def target_pass(self, ex: Example, greedy: bool = False) -> dict[str, torch.Tensor]:
-        """Everything the drafter needs from the frozen target for one sequence (no autograd); with
+    def target_pass(self, ex: Example, greedy: bool = False) -> dict:
+        """Everything the drafters need from the frozen target for one sequence (no autograd); with
         `greedy`, also the target's full-vocabulary argmax per row (validation only: a full LM head)."""
         t = self.target
         t.reset()
@@ -145,68 +188,64 @@ class Trainer:
         T = len(ex.ids)
         K, V = t.kv(slice(0, T))  # [L, Hkv, T, d]
         final = out.hidden[t.cfg.num_layers]
-        head = self.drafter.head
+        head = self.drafter.head  # every drafter shares the trimmed vocabulary of the same data
         with torch.inference_mode():
             target_logits = F.linear(final, head)  # over the drafter's vocabulary
-        res = {"k": K.permute(2, 0, 1, 3), "v": V.permute(2, 0, 1, 3), "final": final,
-               "probs": target_logits.softmax(-1)}
+        res = {"k": K.permute(2, 0, 1, 3), "v": V.permute(2, 0, 1, 3), "K": K, "V": V, "final": final,
+               "probs": target_logits.softmax(-1), "hidden": dict(out.hidden)}
         if greedy:
             res["argmax"] = t.lm_head(final).argmax(-1)
-        if self.cfg.kind == "moa" and self.cfg.tli_layers:
-            N = self.cfg.tli_layers
-            res["mid"] = out.hidden[t.cfg.num_layers - N]
-            res["tail_k"], res["tail_v"] = K[-N:], V[-N:]
-        return {k: v.clone() for k, v in res.items()}  # leave inference mode: usable in autograd
+        return _outside_inference_mode(res)
 
     # ------------------------------------------------------------------ loss
-    def sequence_loss(self, ex: Example, every: int, curriculum: bool) -> tuple[torch.Tensor, dict]:
-        """Loss of one sequence and what validation reads: top-1 agreement with the target's greedy
-        token per loss row, and the draft depth of each row (steps ahead of the last verified token)."""
-        validating = not self.drafter.training
-        tp = self.target_pass(ex, greedy=validating)
+    def sequence_loss(self, st: Student, ex: Example, tp: dict, every: int,
+                      curriculum: bool) -> tuple[torch.Tensor, dict]:
+        """Loss of one sequence for one drafter and what validation reads: top-1 agreement with the
+        target's greedy token per loss row, and the draft depth of each row (steps ahead of the last
+        verified token)."""
+        drafter = st.drafter
         T = len(ex.ids)
         rows = torch.arange(T)
         # MoA/independent row i predicts x_{i+1}; keep rows whose next token is an assistant token.
         start = moa.verification_starts(T, ex.prompt_len, every)
         keep = (rows >= ex.prompt_len - 1) & (rows < T - 1)
         target_row = rows
-        if self.cfg.kind == "moa":
-            out = self.moa_outputs(ex, tp, start, curriculum)
+        L = self.target.cfg.num_layers
+        if st.kind == "moa":
+            ctx = drafter.encoder(tp["k"][None], tp["v"][None])
+            tail = (tp["K"][L - st.tli:][None], tp["V"][L - st.tli:][None]) if st.tli else None
+            sa_mask = moa.sa_curriculum_mask(start[None])[0] if curriculum else None
+            out = drafter.forward_train(torch.tensor([ex.ids]), ctx, start[None], tail, sa_mask)
             hidden, final, logits = out.hidden[0], out.final[0], out.logits[0]
             depth = rows - start
-        elif self.cfg.kind == "eagle":
+        elif st.kind == "eagle":
             # EAGLE row i reads (f_i, x_{i+1}) and predicts f_{i+1}, x_{i+2}: its targets sit at row i + 1.
             keep = (rows >= ex.prompt_len - 2) & (rows < T - 2)
             target_row = (rows + 1).clamp(max=T - 1)
-            hidden, logits, depth = self.eagle_outputs(ex, tp, start)
+            hidden, logits, depth = self.eagle_outputs(drafter, ex, tp, start)
             final = hidden
         else:
-            hidden, logits = self.drafter.forward_train(torch.tensor([ex.ids]))
+            hidden, logits = drafter.forward_train(torch.tensor([ex.ids]))
             hidden, final, logits = hidden[0], hidden[0], logits[0]
             depth = torch.ones(T, dtype=torch.long)  # token-only drafter: no stale target state
         t = target_row[keep]
         logits = logits[keep]
         ce = -(tp["probs"][t] * logits.log_softmax(-1)).sum(-1).mean()
-        if self.cfg.kind == "moa" and self.cfg.tli_layers:
-            reg = 0.5 * F.smooth_l1_loss(hidden[keep], tp["mid"][t]) + 0.5 * F.smooth_l1_loss(final[keep],
-                                                                                             tp["final"][t])
+        if st.kind == "moa" and st.tli:
+            reg = 0.5 * F.smooth_l1_loss(hidden[keep], tp["hidden"][L - st.tli][t]) + \
+                0.5 * F.smooth_l1_loss(final[keep], tp["final"][t])
         else:
             reg = F.smooth_l1_loss(hidden[keep], tp["final"][t])
         loss = self.cfg.ce_weight * ce + reg
         stats = {"ce": ce.item(), "reg": reg.item(), "tokens": int(keep.sum()), "depth": depth[keep]}
-        if validating:
-            vocab = self.drafter.draft_vocab
+        if not drafter.training:
+            vocab = drafter.draft_vocab
             pred = logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]
             stats["agree"] = pred == tp["argmax"][t]
         return loss, stats
 
-    def moa_outputs(self, ex: Example, tp: dict, start: torch.Tensor, curriculum: bool):
-        ctx = self.drafter.encoder(tp["k"][None], tp["v"][None])
-        tail = (tp["tail_k"][None], tp["tail_v"][None]) if self.cfg.tli_layers else None
-        sa_mask = moa.sa_curriculum_mask(start[None])[0] if curriculum else None
-        return self.drafter.forward_train(torch.tensor([ex.ids]), ctx, start[None], tail, sa_mask)
-
-    def eagle_outputs(self, ex: Example, tp: dict, start: torch.Tensor):
+    @staticmethod
+    def eagle_outputs(drafter: torch.nn.Module, ex: Example, tp: dict, start: torch.Tensor):
         """Training: teacher forcing on the target's features (EAGLE is off-policy by design).
         Validation: the drafter's own features fed back as at inference. Row i uses the target's f_i
         only if slot i is verified (i <= s_i, s_i = last verified slot before row i + 1); otherwise the
@@ -218,11 +257,11 @@ class Trainer:
         rows = torch.arange(T)
         verified = rows <= s_next
         depth = rows + 1 - s_next
-        pred, logits = self.drafter.forward_train(tokens, f)
-        if not self.drafter.training:
+        pred, logits = drafter.forward_train(tokens, f)
+        if not drafter.training:
             for _ in range(5):
                 fed = torch.where(verified[None, :, None], f, torch.cat([f[:, :1], pred[:, :-1]], 1))
-                pred, logits = self.drafter.forward_train(tokens, fed)
+                pred, logits = drafter.forward_train(tokens, fed)
         return pred[0], logits[0], depth
 
     # ------------------------------------------------------------------ loop
@@ -230,69 +269,116 @@ class Trainer:
         cfg = self.cfg
         if resume and (self.out / "trainer.pt").exists():
             self.load_state()
-        label = f"moa N={cfg.tli_layers}" if cfg.kind == "moa" else cfg.kind
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {label}", unit="step")
-        t0, tokens = time.time(), 0
+        labels = ", ".join(s.label for s in self.students)
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {labels}", unit="step")
+        t0, tokens, target_s = time.time(), 0, 0.0
         while self.step < cfg.steps:
-            for g in self.opt.param_groups:
-                g["lr"] = lr_at(self.step, cfg)
+            for st in self.students:
+                for g in st.opt.param_groups:
+                    g["lr"] = lr_at(self.step, cfg)
+                st.opt.zero_grad(set_to_none=True)
             p_curriculum = max(0.0, 1.0 - self.step / (cfg.steps / 2))
-            self.opt.zero_grad(set_to_none=True)
-            total, stats = 0.0, []
+            losses = {s.label: 0.0 for s in self.students}
             for ex in self.rng.sample(self.train, min(cfg.batch_size, len(self.train))):
                 every = self.rng.randint(cfg.every_min, cfg.every_max)
-                loss, s = self.sequence_loss(ex, every, self.rng.random() < p_curriculum)
-                (loss / cfg.batch_size).backward()
-                total += loss.item() / cfg.batch_size
-                stats.append(s)
+                curriculum = self.rng.random() < p_curriculum
+                t1 = time.time()
+                tp = self.target_pass(ex)
+                target_s += time.time() - t1
+                for st in self.students:
+                    t1 = time.time()
+                    loss, s = self.sequence_loss(st, ex, tp, every, curriculum)
+                    (loss / cfg.batch_size).backward()
+                    st.seconds += time.time() - t1
+                    losses[st.label] += loss.item() / cfg.batch_size
                 tokens += s["tokens"]
-            torch.nn.utils.clip_grad_norm_([p for p in self.drafter.parameters() if p.requires_grad], cfg.clip)
-            self.opt.step()
+            for st in self.students:
+                t1 = time.time()
+                torch.nn.utils.clip_grad_norm_([p for p in st.drafter.parameters() if p.requires_grad], cfg.clip)
+                st.opt.step()
+                st.seconds += time.time() - t1
             self.step += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{total:.3f}", tok_s=f"{tokens / (time.time() - t0):.0f}")
-            self.history.append({"step": self.step, "loss": total, "lr": lr_at(self.step - 1, cfg)})
+            bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses.values()),
+                            tok_s=f"{tokens / (time.time() - t0):.0f}")
+            self.history.append({"step": self.step, "loss": losses, "lr": lr_at(self.step - 1, cfg)})
             if self.step % cfg.val_every == 0 or self.step == cfg.steps:
                 v = self.validate()
                 self.history[-1]["val"] = v
-                bar.write(f"step {self.step}: val loss {v['loss']:.4f} top-1 by depth {v['top1_by_depth']}")
+                for label, r in v.items():
+                    bar.write(f"step {self.step} {label}: val loss {r['loss']:.4f} top-1 by depth "
+                              f"{r['top1_by_depth']}")
             if self.step % cfg.save_every == 0 or self.step == cfg.steps:
                 self.save_state()
         bar.close()
-        return {"steps": self.step, "train_tokens": tokens, "seconds": round(time.time() - t0, 1),
-                "final_val": next((h["val"] for h in reversed(self.history) if "val" in h), None)}
+        final = next((h["val"] for h in reversed(self.history) if "val" in h), {})
+        result = {"steps": self.step, "train_tokens": tokens, "seconds": round(time.time() - t0, 1),
+                  "target_seconds": round(target_s, 1), "drafters": {}}
+        for st in self.students:
+            result["drafters"][st.label] = {"seconds": round(st.seconds, 1), "final_val": final.get(st.label)}
+            if self.step == cfg.steps and (self.out / st.label).exists():
+                info = {"data": cfg.data, "steps": cfg.steps, "batch_size": cfg.batch_size, "max_len": cfg.max_len,
+                        "vocab_ids": cfg.vocab_ids, "threads": torch.get_num_threads(), "train_tokens": tokens,
+                        "trained_with": [s.label for s in self.students], "shared_target_seconds": result[
+                            "target_seconds"], "seconds": result["seconds"], "own_seconds": round(st.seconds, 1),
+                        "final_val": final.get(st.label)}
+                (self.out / st.label / "training.json").write_text(json.dumps(info, indent=1))
+        return result
 
     @torch.no_grad()
-    def validate(self, every: int = 7) -> dict:
-        """Validation loss and top-1 agreement with the target's greedy token at draft depth 1..6
-        (depth = steps ahead of the last verified context), with a fixed `every`."""
-        self.drafter.eval()
-        losses, agree, depth = [], [], []
+    def validate(self, every: int = 7) -> dict[str, dict]:
+        """Per drafter: validation loss and top-1 agreement with the target's greedy token at draft
+        depth 1..6 (depth = steps ahead of the last verified context), with a fixed `every`."""
+        for st in self.students:
+            st.drafter.eval()
+        res = {st.label: {"loss": [], "agree": [], "depth": []} for st in self.students}
         for ex in self.val:
-            loss, s = self.sequence_loss(ex, every, curriculum=False)
-            losses.append(loss.item())
-            agree.append(s["agree"])
-            depth.append(s["depth"])
-        self.drafter.train()
-        agree_t, depth_t = torch.cat(agree), torch.cat(depth)
-        by_depth = {d: round(agree_t[depth_t == d].float().mean().item(), 4) for d in range(1, 7)
-                    if (depth_t == d).any()}
-        return {"loss": round(sum(losses) / max(1, len(losses)), 5), "top1_by_depth": by_depth}
+            tp = self.target_pass(ex, greedy=True)
+            for st in self.students:
+                loss, s = self.sequence_loss(st, ex, tp, every, curriculum=False)
+                r = res[st.label]
+                r["loss"].append(loss.item())
+                r["agree"].append(s["agree"])
+                r["depth"].append(s["depth"])
+        out = {}
+        for st in self.students:
+            st.drafter.train()
+            r = res[st.label]
+            agree_t, depth_t = torch.cat(r["agree"]), torch.cat(r["depth"])
+            by_depth = {d: round(agree_t[depth_t == d].float().mean().item(), 4) for d in range(1, 7)
+                        if (depth_t == d).any()}
+            out[st.label] = {"loss": round(sum(r["loss"]) / max(1, len(r["loss"])), 5), "top1_by_depth": by_depth}
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.module.save(self.drafter, self.out / "drafter")
-        torch.save({"step": self.step, "opt": self.opt.state_dict(), "rng": self.rng.getstate(),
+        for st in self.students:
+            KINDS[st.kind].save(st.drafter, self.out / st.label)
+        torch.save({"step": self.step, "opt": {st.label: st.opt.state_dict() for st in self.students},
+                    "seconds": {st.label: st.seconds for st in self.students}, "rng": self.rng.getstate(),
                     "torch_rng": torch.get_rng_state(), "history": self.history, "config": asdict(self.cfg)},
                    self.out / "trainer.pt")
 
     def load_state(self) -> None:
         state = torch.load(self.out / "trainer.pt", weights_only=False)
-        fresh = self.module.load(self.out / "drafter", self.target, self.cfg.model,
-                                 self.drafter.cfg.target_fingerprint)
-        self.drafter.load_state_dict(fresh.state_dict())
-        self.opt.load_state_dict(state["opt"])
+        missing = [st.label for st in self.students if st.label not in state["opt"]]
+        if missing:
+            raise UserError(f"{self.out} holds a run without {', '.join(missing)}: resume it with the same "
+                            f"--kind/--tli, or pick a new --out")
+        for st in self.students:
+            fresh = KINDS[st.kind].load(self.out / st.label, self.target, self.cfg.model,
+                                        st.drafter.cfg.target_fingerprint)
+            st.drafter.load_state_dict(fresh.state_dict())
+            st.opt.load_state_dict(state["opt"][st.label])
+            st.seconds = state["seconds"][st.label]
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.history = state["step"], state["history"]
+
+
+def _outside_inference_mode(x):
+    """Clones of inference-mode tensors, usable in autograd (nested dicts too)."""
+    if isinstance(x, dict):
+        return {k: _outside_inference_mode(v) for k, v in x.items()}
+    return x.clone()
