@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
+from moaspec.decoding.tree import PAPER_GPU_TREE, Tree, TreeConfig, grow_tree, tree_for_costs
 from moaspec.drafters.lookup import LookupDrafter
 from moaspec.errors import UserError
 
@@ -250,3 +250,28 @@ def test_lookup_random_contexts(seed):
             assert _contains([*context, root], path), (context, root, path)
         # any earlier occurrence of the root is a 1-gram match with at least one token after it
         assert (len(tree) > 1) == (root in context and cfg.depth > 0 and cfg.total_tokens > 0)
+
+
+def test_tree_for_costs_gpu_gets_the_paper_tree_cpu_a_short_chain():
+    gpu = {1: 10.0, 2: 10.0, 4: 10.1, 8: 10.3, 16: 10.8, 32: 11.5, 64: 12.4}
+    assert tree_for_costs(gpu) == PAPER_GPU_TREE
+    cpu = {1: 78.3, 2: 78.6, 4: 93.0, 8: 189.0, 16: 222.0, 32: 375.0}  # Qwen 0.5B fp32, measured
+    assert tree_for_costs(cpu) == TreeConfig(depth=3, topk=1, total_tokens=3)
+    mid = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.5, 16: 14.0, 32: 20.0}
+    t = tree_for_costs(mid)
+    assert t.total_tokens == 7 and t.depth == 6 and t.topk == 2
+    assert tree_for_costs({1: 10.0, 2: 30.0}) == TreeConfig(depth=1, topk=1, total_tokens=1)
+    with pytest.raises(ValueError):
+        tree_for_costs({4: 1.0})
+
+
+def test_auto_tree_is_measured_once_and_cached(dec_none, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOASPEC_HOME", str(tmp_path))
+    calls = []
+    real = dec_none.target.pass_costs
+    monkeypatch.setattr(dec_none.target, "pass_costs", lambda: calls.append(1) or real(ks=(1, 2, 4), reps=1))
+    first = dec_none.auto_tree()
+    assert dec_none.auto_tree() == first and len(calls) == 1
+    (tmp_path / "calibration.json").write_text("{not json")
+    assert dec_none.auto_tree().total_tokens >= 1 and len(calls) == 2
+    assert dec_none.target.length == 0  # calibration leaves the cache empty

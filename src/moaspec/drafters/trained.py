@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -170,6 +170,12 @@ class TargetBoundDrafter(nn.Module):
         if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.cfg.vocab_size):
             raise UserError(f"vocab_ids must lie in 0..{self.cfg.vocab_size - 1}")
         self.vocab_ids.copy_(ids)
+        self._trim_head()
+
+    def untrim(self) -> None:
+        """Draft over the target's full vocabulary with the same trained weights: the ablation that
+        measures what vocabulary trimming buys."""
+        self.cfg = replace(self.cfg, vocab_ids=0)
         self._trim_head()
 
     @staticmethod

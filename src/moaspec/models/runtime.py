@@ -278,6 +278,31 @@ class Transformer:
             if self.length + n <= self.max_seq_len:
                 self.forward(torch.zeros(n, dtype=torch.long, device=self.device))
 
+    def pass_costs(self, ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 128,
+                   reps: int = 3) -> dict[int, float]:
+        """Median milliseconds of one pass over k new rows after `context` cached tokens: what
+        verifying a k-row draft tree costs on this machine. Leaves the cache empty."""
+        import statistics
+        import time
+
+        self.reset()
+        ks = tuple(k for k in ks if context + k <= self.max_seq_len)
+        self.forward(torch.zeros(context, dtype=torch.long, device=self.device))
+        self.advance(context)
+        out = {}
+        for k in ks:
+            toks = torch.full((k,), 100, dtype=torch.long, device=self.device)
+            times = []
+            for _ in range(reps + 1):  # the first run warms the kernels up
+                t = time.perf_counter()
+                self.forward(toks)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            out[k] = statistics.median(times[1:]) * 1e3
+        self.reset()
+        return out
+
     def num_parameters(self) -> int:
         return sum(t.numel() for t in (self.embed, self.norm)) + sum(
             lin.in_features * lin.out_features
