@@ -145,10 +145,11 @@ def _ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
 
 
 def eval_texts() -> list[str]:
-    """Every prompt of the evaluation sets we ship with (MT-Bench both turns, HumanEval), if installed."""
-    from moaspec.bench.tasks import humaneval_prompts, mtbench_turns
+    """Every prompt of the benchmark task sets (MT-Bench both turns, HumanEval, and the math,
+    instruction, summarisation and QA sets `moaspec bench` builds)."""
+    from moaspec.bench.tasks import humaneval_prompts, load_tasks, mtbench_turns
 
-    return [*mtbench_turns(), *humaneval_prompts()]
+    return [*mtbench_turns(), *humaneval_prompts(), *(t for q in load_tasks() for t in q.turns)]
 
 
 class Contamination:

@@ -1,0 +1,323 @@
+"""`moaspec bench`: the paper's table (PAPER.md section 7) on this machine, next to the peers a user
+would otherwise pick.
+
+Every method answers every question in turn (interleaved per question, so machine drift hits all
+alike) on one loaded copy of the target. Answers go to FastChat-style JSON lines, one file per
+method and temperature, which are the record: the report (`bench.report`) is computed from them
+alone, and an interrupted run resumes from them.
+
+Methods:
+- `plain`: this runtime, no drafter (the speedup reference); `hf`: transformers `generate`;
+  `hf-assisted`: transformers assisted generation with the target's default draft model;
+- engine drafters `lookup`, `model` (a same-tokenizer draft LM), and the trained `independent`,
+  `eagle`, `moa`, `moa-n1`, `moa-n3` loaded from checkpoint folders named so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from moaspec.bench.tasks import Question, load_tasks
+from moaspec.decoding.engine import Engine, GenerationConfig
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.tree import PAPER_GPU_TREE, TreeConfig
+from moaspec.drafters import DEFAULT_DRAFT_MODEL, shipped_checkpoint
+from moaspec.errors import UserError
+from moaspec.pipeline import SpecDecoder
+
+PEERS = ("hf", "hf-assisted")
+TRAINED_METHODS = ("independent", "eagle", "moa", "moa-n1", "moa-n3")
+METHODS = ("plain", *PEERS, "lookup", "model", *TRAINED_METHODS)
+# Candidate trees of the sweep: chains, small CPU trees, and the paper's GPU default for contrast.
+SWEEP_TREES = (TreeConfig(1, 1, 1), TreeConfig(2, 1, 2), TreeConfig(3, 1, 3), TreeConfig(4, 1, 4),
+               TreeConfig(5, 1, 5), TreeConfig(3, 2, 4), TreeConfig(4, 2, 6), TreeConfig(4, 4, 6),
+               TreeConfig(5, 4, 8), TreeConfig(6, 4, 12), PAPER_GPU_TREE)
+
+
+@dataclass
+class BenchConfig:
+    model: str = "qwen2.5-coder-0.5b"
+    methods: tuple[str, ...] = ()  # empty: plain, hf, lookup and every trained drafter that exists
+    tasks: tuple[str, ...] = ()  # empty: all task sets
+    questions: int | None = None  # per task; None: the whole set
+    max_new_tokens: int = 256
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    tree: str = "auto"  # "auto" (calibrated), "sweep" (best measured per method) or "depth,topk,total"
+    checkpoints: str | None = None  # folder of <method>/ checkpoints; default: those shipped for the model
+    weights: str = "fp32"
+    out: str = "bench-out"
+    seed: int = 0
+    sweep_questions: int = 4
+    sweep_tokens: int = 64
+
+    @classmethod
+    def quick(cls, **kw) -> BenchConfig:
+        """A pass over every task and method in minutes: 1 question per task, 64 tokens, T=0."""
+        return cls(**{"questions": 1, "max_new_tokens": 64, "temperatures": (0.0,), **kw})
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    drafter: str = "none"  # engine drafter name, or a peer name
+    path: str | None = None
+    draft_model: str | None = None
+
+
+def checkpoint_dir(cfg: BenchConfig, method: str) -> Path:
+    if cfg.checkpoints:
+        return Path(cfg.checkpoints) / method
+    return shipped_checkpoint(method, cfg.model)
+
+
+def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
+    """The methods to run (plain first: it is the reference) and notes on the ones left out."""
+    names = list(cfg.methods) or ["plain", "hf", "lookup", *TRAINED_METHODS]
+    if cfg.model in DEFAULT_DRAFT_MODEL and DEFAULT_DRAFT_MODEL[cfg.model] != cfg.model and not cfg.methods:
+        names[2:2] = ["hf-assisted", "model"]
+    bad = [n for n in names if n not in METHODS]
+    if bad:
+        raise UserError(f"unknown method(s) {', '.join(bad)}; choose among {', '.join(METHODS)}")
+    names = ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
+    out, notes = [], []
+    for n in names:
+        if n in TRAINED_METHODS:
+            folder = checkpoint_dir(cfg, n)
+            if not (folder / "config.json").exists():
+                if cfg.methods:
+                    raise UserError(f"method {n}: no checkpoint at {folder}; train it with `moaspec train --model "
+                                    f"{cfg.model} --kind {n.split('-')[0]} ...` or pass --checkpoints DIR")
+                notes.append(f"{n}: no checkpoint at {folder}")
+                continue
+            out.append(Method(n, n.split("-")[0], str(folder)))
+        elif n in ("model", "hf-assisted"):
+            draft = DEFAULT_DRAFT_MODEL.get(cfg.model)
+            if draft is None:
+                raise UserError(f"{n} needs a draft model for {cfg.model!r}; known pairs: {DEFAULT_DRAFT_MODEL}")
+            out.append(Method(n, "model" if n == "model" else n, draft_model=draft))
+        else:
+            out.append(Method(n, "none" if n == "plain" else n))
+    return out, notes
+
+
+@dataclass
+class TurnResult:
+    text: str
+    token_ids: list[int]
+    wall_time: float
+    accept_lengths: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+class Bench:
+    """One loaded target, its engines per method, and the peers, answering questions."""
+
+    def __init__(self, cfg: BenchConfig, methods: list[Method], trees: dict[str, TreeConfig] | None = None):
+        self.cfg = cfg
+        self.methods = methods
+        self.dec = SpecDecoder(cfg.model, drafter="none", weights=cfg.weights)
+        self.engines: dict[str, Engine] = {}
+        self.trees: dict[str, TreeConfig] = {}
+        for m in methods:
+            if m.name in PEERS:
+                continue
+            tree = (trees or {}).get(m.name) or self._tree()
+            self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree)
+            self.engines[m.name] = self.dec.engine
+            self.trees[m.name] = self.dec.engine.tree
+        self._hf = None
+        self._assistant = None
+
+    def _tree(self) -> TreeConfig | str:
+        if self.cfg.tree in ("auto", "sweep"):
+            return "auto"
+        try:
+            return TreeConfig(*map(int, self.cfg.tree.split(",")))
+        except (TypeError, ValueError):
+            raise UserError(f"--tree must be auto, sweep or depth,topk,total; got {self.cfg.tree!r}") from None
+
+    # ---------------------------------------------------------------- one answer
+    def answer(self, method: Method, q: Question, temperature: float, max_new_tokens: int | None = None,
+               turns: int | None = None) -> list[TurnResult]:
+        """All turns of a question; a later turn sees this method's own earlier answers."""
+        messages: list[dict] = []
+        out = []
+        for i, turn in enumerate(q.turns[:turns]):
+            messages.append({"role": "user", "content": turn})
+            seed = int(hashlib.sha1(f"{q.id}|{i}|{self.cfg.seed}".encode()).hexdigest()[:8], 16)
+            gen = GenerationConfig(max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
+                                   sampling=SamplingParams(temperature=temperature, seed=seed))
+            ids = self.dec.encode(messages)
+            r = self._peer(method, ids, gen) if method.name in PEERS else self._engine(method, ids, gen)
+            out.append(r)
+            messages.append({"role": "assistant", "content": r.text})
+        return out
+
+    def _engine(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
+        self.dec.engine = self.engines[method.name]
+        g = self.dec.generate(ids, gen)
+        m = g.metrics
+        return TurnResult(g.text, g.token_ids, m.total_s, list(m.accept_lengths), m.draft_s, m.verify_s, m.prefill_s)
+
+    def _peer(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
+        from transformers import AutoModelForCausalLM
+
+        from moaspec.models.store import resolve
+
+        if self._hf is None:
+            self._hf = AutoModelForCausalLM.from_pretrained(str(self.dec.folder), dtype=torch.float32).eval()
+        kw = {}
+        if method.name == "hf-assisted":
+            if self._assistant is None:
+                self._assistant = AutoModelForCausalLM.from_pretrained(
+                    str(resolve(method.draft_model)), dtype=torch.float32).eval()
+            kw["assistant_model"] = self._assistant
+        t = gen.sampling.temperature
+        if t > 0:
+            torch.manual_seed(gen.sampling.seed or 0)
+            kw.update(do_sample=True, temperature=t, top_k=0, top_p=1.0)
+        else:
+            kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        eos = list(self.dec.target.cfg.eos_token_ids)
+        x = torch.tensor([ids])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            y = self._hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=gen.max_new_tokens,
+                                  eos_token_id=eos, pad_token_id=eos[0], **kw)
+        wall = time.perf_counter() - start
+        new = y[0, len(ids):].tolist()
+        cut = next((i for i, tok in enumerate(new) if tok in eos), len(new))
+        new = new[:cut]
+        return TurnResult(self.dec.tokenizer.decode(new, skip_special_tokens=True), new, wall)
+
+    # ---------------------------------------------------------------- the tree sweep
+    def sweep(self, questions: list[Question], trees: tuple[TreeConfig, ...] = SWEEP_TREES) -> dict:
+        """tokens/s of every (method, tree) over a few first turns at T=0, interleaved per question
+        against plain decoding; the best tree per method."""
+        cands = {m.name: m for m in self.methods if m.name not in PEERS and m.name != "plain"}
+        engines = {}
+        for name, m in cands.items():
+            for tree in trees:
+                self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree)
+                engines[(name, tree)] = self.dec.engine
+        plain = Method("plain")
+        tok = {k: 0 for k in engines} | {("plain", None): 0}
+        secs = dict.fromkeys(tok, 0.0)
+        taus: dict = {k: [] for k in engines}
+        for q in tqdm(questions, desc="tree sweep", unit="question"):
+            r = self.answer(plain, q, 0.0, self.cfg.sweep_tokens, turns=1)[0]
+            tok[("plain", None)] += len(r.token_ids)
+            secs[("plain", None)] += r.wall_time
+            for key, engine in engines.items():
+                self.engines["_sweep"] = engine
+                r = self.answer(Method("_sweep"), q, 0.0, self.cfg.sweep_tokens, turns=1)[0]
+                tok[key] += len(r.token_ids)
+                secs[key] += r.wall_time
+                taus[key] += r.accept_lengths
+        self.engines.pop("_sweep", None)
+        base = tok[("plain", None)] / secs[("plain", None)]
+        rows = [{"method": name, "tree": asdict(tree), "tokens_per_s": round(tok[(name, tree)] / secs[(name, tree)], 3),
+                 "speedup": round(tok[(name, tree)] / secs[(name, tree)] / base, 3),
+                 "tau": round(sum(taus[(name, tree)]) / max(1, len(taus[(name, tree)])), 3)}
+                for name, tree in engines]
+        best = {name: max((r for r in rows if r["method"] == name), key=lambda r: r["tokens_per_s"])["tree"]
+                for name in cands}
+        return {"plain_tokens_per_s": round(base, 3), "rows": rows, "best": best}
+
+
+# -------------------------------------------------------------------- answer files
+def answer_path(out: Path, method: str, temperature: float) -> Path:
+    return out / "answers" / f"T{temperature:g}" / f"{method}.jsonl"
+
+
+def read_answers(path: Path) -> dict[str, dict]:
+    """question id -> record; a torn last line (interrupted run) is dropped."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                done[r["question_id"]] = r
+            except (ValueError, KeyError, TypeError):
+                continue
+    return done
+
+
+def answer_record(model: str, method: str, q: Question, turns: list[TurnResult], tree: TreeConfig | None) -> dict:
+    """One FastChat-style answer line (plus the token ids, which the T=0 identity check reads)."""
+    return {
+        "question_id": q.id, "category": q.task, "model_id": f"{model}:{method}",
+        "answer_id": hashlib.sha1(f"{model}|{method}|{q.id}".encode()).hexdigest()[:16],
+        "tree": asdict(tree) if tree else None,
+        "choices": [{
+            "index": 0,
+            "turns": [t.text for t in turns],
+            "token_ids": [t.token_ids for t in turns],
+            "new_tokens": [len(t.token_ids) for t in turns],
+            "wall_time": [round(t.wall_time, 4) for t in turns],
+            "prefill_time": [round(t.prefill_s, 4) for t in turns],
+            "draft_time": [round(t.draft_s, 4) for t in turns],
+            "verify_time": [round(t.verify_s, 4) for t in turns],
+            "accept_lengths": [t.accept_lengths for t in turns],
+        }],
+        "tstamp": time.time(),
+    }
+
+
+def run(cfg: BenchConfig) -> Path:
+    """Answer every question with every method (resuming from existing answer files), then write the
+    report. Returns the report path."""
+    from moaspec.bench import report
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    methods, notes = resolve_methods(cfg)
+    questions = load_tasks(list(cfg.tasks) or None, cfg.questions, cfg.seed)
+    meta = {"config": asdict(cfg), "notes": notes, "threads": torch.get_num_threads(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    bench = Bench(cfg, methods)
+    if cfg.tree == "sweep":
+        old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+        meta["sweep"] = old.get("sweep") or bench.sweep(_spread(questions, cfg.sweep_questions))
+        bench = Bench(cfg, methods, {k: TreeConfig(**v) for k, v in meta["sweep"]["best"].items()})
+    meta["trees"] = {k: asdict(v) for k, v in bench.trees.items()}
+    meta["methods"] = [m.name for m in methods]
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    done = {(m.name, t): read_answers(answer_path(out, m.name, t)) for m in methods for t in cfg.temperatures}
+    todo = [(q, t) for t in cfg.temperatures for q in questions
+            if any(q.id not in done[(m.name, t)] for m in methods)]
+    bar = tqdm(total=len(todo) * len(methods), desc=f"bench {cfg.model}", unit="answer")
+    for q, t in todo:
+        for m in methods:  # interleaved per question
+            bar.set_postfix_str(f"{q.task} T={t:g} {m.name}")
+            if q.id not in done[(m.name, t)]:
+                rec = answer_record(cfg.model, m.name, q, bench.answer(m, q, t), bench.trees.get(m.name))
+                path = answer_path(out, m.name, t)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a") as f:
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            bar.update(1)
+    bar.close()
+    return report.write(out)
+
+
+def _spread(questions: list[Question], n: int) -> list[Question]:
+    """n questions taken round-robin over the tasks, so a short sweep sees every kind of text."""
+    by_task: dict[str, list[Question]] = {}
+    for q in questions:
+        by_task.setdefault(q.task, []).append(q)
+    picked, i = [], 0
+    while len(picked) < n and any(i < len(v) for v in by_task.values()):
+        picked += [v[i] for v in by_task.values() if i < len(v)][: n - len(picked)]
+        i += 1
+    return picked

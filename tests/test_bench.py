@@ -1,0 +1,71 @@
+"""`moaspec bench` end to end on the real SmolLM2: answer files, the T=0 identity check, resume, report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moaspec.bench import report
+from moaspec.bench.suite import Bench, BenchConfig, answer_path, resolve_methods, run
+from moaspec.bench.tasks import load_tasks
+from moaspec.decoding.tree import TreeConfig
+from moaspec.errors import UserError
+
+SMOL = "smollm2-135m"
+
+
+def test_bench_runs_resumes_and_reports(tmp_path):
+    out = tmp_path / "bench"
+    cfg = BenchConfig(model=SMOL, methods=("plain", "hf", "lookup", "moa"), tasks=("mtbench", "math"), questions=1,
+                      max_new_tokens=12, temperatures=(0.0, 1.0), tree="3,1,3", out=str(out))
+    path = run(cfg)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {(r["temperature"], r["task"]) for r in rows} == {(t, k) for t in (0.0, 1.0)
+                                                          for k in ("mtbench", "math", "all")}
+    for r in rows:
+        if r["temperature"] == 0 and r["method"] in ("lookup", "moa"):
+            assert r["mismatched_turns"] == 0, r  # lossless verification
+        assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0
+    plain = next(r for r in rows if r["method"] == "plain" and r["task"] == "all" and r["temperature"] == 0)
+    assert plain["speedup"] == 1.0 and plain["tau"] == 1.0
+    moa = next(r for r in rows if r["method"] == "moa" and r["task"] == "all" and r["temperature"] == 0)
+    assert moa["tau"] >= 1.0 and 0 < moa["draft_share"] < 1 and moa["target_calls_per_token"] <= 1.0
+
+    lines = answer_path(out, "moa", 0.0).read_text().splitlines()
+    assert len(lines) == 2
+    mt = next(json.loads(x) for x in lines if json.loads(x)["category"] == "mtbench")
+    choice = mt["choices"][0]
+    assert len(choice["turns"]) == 2 and len(choice["new_tokens"]) == 2 and len(choice["wall_time"]) == 2
+    # the prefill gives the first token; each target call then emits its accepted tokens + 1
+    assert all(1 + sum(a) >= n for a, n in zip(choice["accept_lengths"], choice["new_tokens"], strict=True))
+    assert mt["model_id"] == f"{SMOL}:moa" and mt["tree"] == {"depth": 3, "topk": 1, "total_tokens": 3}
+    text = path.read_text()
+    assert "| moa |" in text and "## T = 1" in text
+
+    before = {p: p.read_text() for p in (out / "answers").rglob("*.jsonl")}
+    with answer_path(out, "lookup", 0.0).open("a") as f:
+        f.write('{"question_id": "torn')  # an interrupted write is dropped on resume
+    run(cfg)
+    after = {p: p.read_text() for p in (out / "answers").rglob("*.jsonl")}
+    assert all(after[p].startswith(before[p]) for p in before)
+    assert len(report.load(out)[1][(0.0, "lookup")]) == 2
+
+
+def test_bench_tree_sweep_picks_the_fastest_tree(tmp_path):
+    cfg = BenchConfig(model=SMOL, methods=("plain", "lookup"), sweep_tokens=10, out=str(tmp_path))
+    methods, _ = resolve_methods(cfg)
+    bench = Bench(cfg, methods)
+    trees = (TreeConfig(1, 1, 1), TreeConfig(3, 2, 4))
+    sweep = bench.sweep(load_tasks(["math"], 2), trees)
+    rows = [r for r in sweep["rows"] if r["method"] == "lookup"]
+    assert len(rows) == 2 and sweep["best"]["lookup"] == max(rows, key=lambda r: r["tokens_per_s"])["tree"]
+
+
+def test_bench_bad_method_and_missing_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="unknown method"):
+        resolve_methods(BenchConfig(model=SMOL, methods=("plain", "medusa")))
+    with pytest.raises(UserError, match="no checkpoint"):
+        resolve_methods(BenchConfig(model=SMOL, methods=("moa-n3",), checkpoints=str(tmp_path)))
+    methods, notes = resolve_methods(BenchConfig(model=SMOL, checkpoints=str(tmp_path)))
+    assert [m.name for m in methods][0] == "plain" and any("moa" in n for n in notes)
