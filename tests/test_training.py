@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from moaspec.drafters import moa
 from moaspec.errors import UserError
 from moaspec.training import prompts as P
-from moaspec.training.train import TrainConfig, Trainer, lr_at, student_specs, top_vocab
+from moaspec.training.train import TrainConfig, Trainer, export, lr_at, student_specs, top_vocab
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -84,6 +85,13 @@ def test_training_lowers_validation_loss(tmp_path):
         meta = json.loads((tmp_path / "run" / label / "training.json").read_text())
         assert meta["steps"] == 60 and meta["trained_with"] == list(before)
     assert set(result["drafters"]) == set(before)
+
+    shipped = export(tmp_path / "run", tmp_path / "ship")  # fp16 copies that load into the same target
+    assert [p.name for p in shipped] == list(before)
+    for p in shipped:
+        assert json.loads((p / "config.json").read_text())["dtype"] == "fp16" and (p / "training.json").exists()
+    fresh = moa.load(tmp_path / "ship" / "moa-n1", tr.target, cfg.model, tr.drafter.cfg.target_fingerprint)
+    assert fresh.cfg.tli_layers == 1
 
 
 def test_student_specs():

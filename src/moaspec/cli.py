@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moaspec", description="Speculative decoding with a Mixture-of-Attentions drafter (CPU).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat,data,train,bench,models}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat,data,train,export,bench,models}")
 
     g = sub.add_parser("generate", help="generate a completion for one prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--val-every", type=int, default=100)
     tr.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("export", help="copy a finished training run's drafters as fp16 checkpoints "
+                       "(default: into the package, where --drafter KIND finds them)")
+    e.add_argument("run", help="the --out folder of `moaspec train`")
+    e.add_argument("--to", metavar="DIR", help="write DIR/<label>/ instead (label: moa, moa-n1, eagle, ...)")
+    e.set_defaults(func=cmd_export)
 
     b = sub.add_parser("bench", help="the paper's table on this machine: tau, tokens/s and speedup per task and "
                        "method, interleaved per question, with peers",
@@ -413,6 +419,14 @@ def cmd_train(args: argparse.Namespace) -> int:
                       steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                       seed=args.seed, val_every=args.val_every)
     print(json.dumps(Trainer(cfg).run()))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from moaspec.training.train import export
+
+    for path in export(args.run, args.to):
+        print(path)
     return 0
 
 

@@ -377,6 +377,34 @@ class Trainer:
         self.step, self.history = state["step"], state["history"]
 
 
+def export(run: str | Path, dest: str | Path | None = None) -> list[Path]:
+    """Copy a finished run's drafters as fp16 checkpoints (half the size, same drafts within fp16
+    rounding) with their training.json, to `dest`/<label> (default: the checkpoints shipped in the
+    package for the run's target, so that `--drafter <kind>` finds them)."""
+    import shutil
+
+    from moaspec.drafters import shipped_checkpoint
+
+    run = Path(run)
+    try:
+        cfg = torch.load(run / "trainer.pt", weights_only=False)["config"]
+    except (OSError, KeyError, RuntimeError) as e:
+        raise UserError(f"{run} is not a training run folder (no readable trainer.pt): {e}") from None
+    folder = resolve(cfg["model"])
+    target = Transformer(folder, weights="fp32", max_seq_len=64)
+    fingerprint = weights_fingerprint(folder)
+    out = []
+    for label, kind, _ in student_specs(cfg["kind"], cfg["tli_layers"]):
+        if not (run / label / "training.json").exists():
+            raise UserError(f"{run / label} has not finished training (no training.json): resume the run first")
+        drafter = KINDS[kind].load(run / label, target, cfg["model"], fingerprint)
+        to = Path(dest) / label if dest else shipped_checkpoint(label, cfg["model"])
+        KINDS[kind].save(drafter, to, fp16=True)
+        shutil.copy(run / label / "training.json", to / "training.json")
+        out.append(to)
+    return out
+
+
 def _outside_inference_mode(x):
     """Clones of inference-mode tensors, usable in autograd (nested dicts too)."""
     if isinstance(x, dict):
