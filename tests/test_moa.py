@@ -309,3 +309,21 @@ def test_checkpoint_errors(smol_model, tmp_path):
     weights.unlink()
     with pytest.raises(UserError, match="model.safetensors"):
         moa.load(folder, smol_model, NAME, FINGERPRINT)
+
+
+def test_draft_linear_fast_path_matches_and_follows_weight_updates():
+    """Drafting runs nn.Linear through the decoding kernels; the view must track optimiser steps."""
+    import torch.nn.functional as F
+
+    from moaspec.drafters.layers import DraftLinear
+
+    torch.manual_seed(0)
+    lin = DraftLinear(64, 48, bias=True)
+    for rows in (1, 3, 12):
+        x = torch.randn(1, rows, 64)
+        with torch.no_grad():
+            assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+        assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4)
+    assert lin(x).requires_grad  # training keeps autograd's own path

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
-from moaspec.drafters.layers import DecoderLayer, KVCache, rope
+from moaspec.drafters.layers import DecoderLayer, DraftLinear, KVCache, rope
 from moaspec.drafters.trained import (
     TargetBoundConfig,
     TargetBoundDrafter,
@@ -123,7 +123,7 @@ class EagleDrafter(TargetBoundDrafter):
     def __init__(self, cfg: EagleConfig, max_seq_len: int = 4096):
         super().__init__(cfg, max_seq_len)
         D = cfg.hidden_size
-        self.fc = nn.Linear(2 * D, D, bias=cfg.fc_bias)
+        self.fc = DraftLinear(2 * D, D, bias=cfg.fc_bias)
         self.layer = DecoderLayer(D, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp, cfg.rms_eps)
         if not cfg.input_norm:
             self.layer.input_norm = nn.Identity()

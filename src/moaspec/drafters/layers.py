@@ -26,12 +26,30 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class DraftLinear(nn.Linear):
+    """nn.Linear that, outside autograd (drafting, validation), runs through the decoding-tuned
+    `models.linear.Linear` kernels in the target's weight mode: drafting multiplies 1-16 rows, where
+    plain F.linear is a slow gemv. The kernel view is rebuilt whenever the weights change."""
+
+    mode = "fp32"  # set to the target's weight mode by TargetBoundDrafter.attach
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.numel() // x.shape[-1] > 16:
+            return super().forward(x)
+        key = (self.weight._version, self.weight.data_ptr(), self.mode)
+        if getattr(self, "_fast_key", None) != key:
+            bias = None if self.bias is None else self.bias.detach()
+            self._fast = Linear(self.weight.detach(), bias, self.mode)
+            self._fast_key = key
+        return self._fast(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
+        self.gate = DraftLinear(dim, hidden, bias=False)
+        self.up = DraftLinear(dim, hidden, bias=False)
+        self.down = DraftLinear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -81,10 +99,10 @@ class _AttentionBlock(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.input_norm = RMSNorm(dim, eps)
-        self.q = nn.Linear(dim, heads * head_dim, bias=False)
-        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(heads * head_dim, dim, bias=False)
+        self.q = DraftLinear(dim, heads * head_dim, bias=False)
+        self.k = DraftLinear(dim, kv_heads * head_dim, bias=False)
+        self.v = DraftLinear(dim, kv_heads * head_dim, bias=False)
+        self.o = DraftLinear(heads * head_dim, dim, bias=False)
         self.post_norm = RMSNorm(dim, eps)
         self.mlp = SwiGLU(dim, mlp)
 

@@ -34,6 +34,7 @@ from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.layers import (
     CrossAttentionLayer,
     DecoderLayer,
+    DraftLinear,
     FrozenTargetLayer,
     KVCache,
     rope,
@@ -208,7 +209,7 @@ class ContextEncoder(nn.Module):
         self.cfg = cfg
         E = cfg.lsa_hidden
         self.lsa = DecoderLayer(E, cfg.lsa_heads, cfg.lsa_kv_heads, cfg.lsa_head_dim, cfg.lsa_mlp, cfg.rms_eps)
-        self.proj = nn.Linear(E, cfg.hidden_size, bias=True)
+        self.proj = DraftLinear(E, cfg.hidden_size, bias=True)
         cos, sin = rope(cfg.rope_theta, cfg.lsa_head_dim, cfg.num_layers)  # positions 0..L-1 = layers
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

@@ -25,7 +25,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moaspec.decoding.tree import Tree
+from moaspec.drafters.layers import DraftLinear
 from moaspec.errors import UserError
+from moaspec.models.linear import Linear
 from moaspec.models.runtime import ModelConfig, Transformer
 
 FORMAT_VERSION = 1
@@ -135,6 +137,7 @@ class TargetBoundDrafter(nn.Module):
         self.embed: torch.Tensor | None = None
         self.full_head: torch.Tensor | None = None
         self.head: torch.Tensor | None = None  # [K, D]: full_head rows of vocab_ids (or full_head itself)
+        self.weight_mode = "fp32"
         self.tokens: list[int] = []
 
     @staticmethod
@@ -160,6 +163,10 @@ class TargetBoundDrafter(nn.Module):
         self.target_cfg = target.cfg
         self.embed = target.embed
         self.full_head = target.lm_head_weight.float()
+        self.weight_mode = target.weights
+        for m in self.modules():
+            if isinstance(m, DraftLinear):
+                m.mode = target.weights
         self._trim_head()
 
     def set_vocab_ids(self, ids: torch.Tensor) -> None:
@@ -185,6 +192,7 @@ class TargetBoundDrafter(nn.Module):
     def _trim_head(self) -> None:
         if self.full_head is not None:
             self.head = self.full_head[self.vocab_ids].contiguous() if self.cfg.vocab_ids else self.full_head
+            self._fast_head = Linear(self.head, mode=self.weight_mode)  # drafting rows: decoding kernels
 
     def _require_target(self) -> None:
         if self.embed is None:
@@ -213,7 +221,10 @@ class TargetBoundDrafter(nn.Module):
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         """LM-head logits over the drafter's vocabulary for states [..., D]."""
         self._require_target()
-        return F.linear(final, self.head)
+        rows = final.numel() // final.shape[-1]
+        if torch.is_grad_enabled() or rows > 16:
+            return F.linear(final, self.head)
+        return self._fast_head(final.reshape(rows, -1)).reshape(*final.shape[:-1], self.head.shape[0])
 
     def _logprobs(self, final: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.logits(final), -1)
