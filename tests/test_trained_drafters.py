@@ -48,3 +48,25 @@ def test_shipped_drafter_samples(trained):
     cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingParams(temperature=1.0, seed=0))
     g = dec.generate(PROMPTS[0], cfg)
     assert 1 <= g.metrics.new_tokens <= 32 and g.metrics.tau >= 1.0
+
+
+QWEN = "qwen2.5-coder-0.5b"
+QWEN_SHIPPED = sorted(p.parent.name for p in shipped_checkpoint("moa", QWEN).parent.glob("*/config.json"))
+
+
+@pytest.mark.slow
+def test_shipped_qwen_drafters_are_lossless():
+    """Every drafter shipped for Qwen2.5-Coder-0.5B (MoA N=0/1/3, EAGLE-2, independent) on one copy of
+    the target: greedy output identical to plain greedy."""
+    from moaspec.pipeline import SpecDecoder
+
+    assert {"moa", "moa-n1", "moa-n3", "eagle", "independent"} <= set(QWEN_SHIPPED)
+    dec = SpecDecoder(QWEN, drafter="none")
+    cfg = GenerationConfig(max_new_tokens=32)
+    plain = [dec.generate(p, cfg) for p in PROMPTS[:3]]
+    for label in QWEN_SHIPPED:
+        dec.set_drafter(label.split("-")[0], drafter_path=str(shipped_checkpoint(label, QWEN)),
+                        tree=TreeConfig(depth=3, topk=2, total_tokens=4))
+        for i, ref in enumerate(plain):
+            g = dec.generate(ref.prompt_ids, cfg)
+            assert_same_or_near_tie(dec.target, ref.prompt_ids, ref.token_ids, g.token_ids, f"{label} prompt {i}")
