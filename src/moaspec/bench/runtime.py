@@ -120,7 +120,8 @@ def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights:
                 dec.drafter.untrim()
             engines[f"{label} d{tree.depth}k{tree.topk}t{tree.total_tokens}"] = dec.engine
     cfg = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingParams(temperature=temperature, seed=0))
-    rows: dict[str, dict[str, list[float]]] = {k: {"tps": [], "tau": [], "mismatch": []} for k in engines}
+    rows: dict[str, dict[str, list[float]]] = {k: {"tps": [], "tau": [], "mismatch": [], "draft": [], "verify": [],
+                                                   "calls": []} for k in engines}
     for p in tqdm(prompts, desc="prompts", disable=len(prompts) < 8):
         base = None
         for name, engine in engines.items():
@@ -130,9 +131,14 @@ def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights:
             rows[name]["tps"].append(g.metrics.tokens_per_s)
             rows[name]["tau"].append(g.metrics.tau)
             rows[name]["mismatch"].append(float(temperature == 0 and g.token_ids != base))
+            rows[name]["draft"].append(g.metrics.draft_s)
+            rows[name]["verify"].append(g.metrics.verify_s)
+            rows[name]["calls"].append(g.metrics.target_calls)
     plain = statistics.mean(rows["none"]["tps"])
     return {name: {"tokens_per_s": round(statistics.mean(r["tps"]), 2), "tau": round(statistics.mean(r["tau"]), 3),
-                   "speedup": round(statistics.mean(r["tps"]) / plain, 3), "mismatches": int(sum(r["mismatch"]))}
+                   "speedup": round(statistics.mean(r["tps"]) / plain, 3), "mismatches": int(sum(r["mismatch"])),
+                   "draft_ms_per_call": round(1e3 * sum(r["draft"]) / max(1, sum(r["calls"])), 2),
+                   "verify_ms_per_call": round(1e3 * sum(r["verify"]) / max(1, sum(r["calls"])), 2)}
             for name, r in rows.items()}
 
 
