@@ -78,8 +78,9 @@ def _pool(choices: list[dict]) -> dict:
 def markdown(meta: dict, rows: list[dict]) -> str:
     cfg = meta["config"]
     lines = [f"# moaspec bench: {cfg['model']} ({cfg['weights']} weights, {meta['threads']} threads)", "",
-             f"Started {meta['started']}. Up to {cfg['max_new_tokens']} new tokens per turn, "
-             f"{rows[0]['questions'] if rows else 0}+ questions. Trees: "
+             f"Started {meta['started']}. Up to {cfg['max_new_tokens']} new tokens per turn; "
+             f"{max((r['questions'] for r in rows if r['task'] == 'all'), default=0)} questions answered by every "
+             "method. Trees: "
              + ", ".join(f"{m} d{t['depth']}/k{t['topk']}/t{t['total_tokens']}" for m, t in meta["trees"].items()
                          if m != "plain") + ".", ""]
     lines += [f"- {n}" for n in meta.get("notes", [])]
