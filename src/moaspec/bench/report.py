@@ -154,10 +154,7 @@ def plots(out: Path, meta: dict, rows: list[dict]) -> list[Path]:
         ax.set_ylabel("speedup over plain decoding")
         ax.set_title(f"{meta['config']['model']}, T = {t:g}")
         ax.legend(fontsize=7, ncol=3)
-        fig.tight_layout()
-        made.append(out / f"speedup_T{t:g}.png")
-        fig.savefig(made[-1], dpi=110)
-        plt.close(fig)
+        made.append(_save(fig, out / f"speedup_T{t:g}.png"))
     hist = [r for r in rows if r["task"] == "all" and r["temperature"] == 0 and r["accept_histogram"]
             and r["method"] != "plain"]
     if hist:
@@ -170,10 +167,7 @@ def plots(out: Path, meta: dict, rows: list[dict]) -> list[Path]:
         ax.set_xlabel("tokens per target call (accepted + 1)")
         ax.set_ylabel("share of target calls")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        made.append(out / "tau_histogram.png")
-        fig.savefig(made[-1], dpi=110)
-        plt.close(fig)
+        made.append(_save(fig, out / "tau_histogram.png"))
     if "sweep" in meta:
         fig, ax = plt.subplots(figsize=(6, 4))
         by: dict[str, list] = defaultdict(list)
@@ -187,11 +181,17 @@ def plots(out: Path, meta: dict, rows: list[dict]) -> list[Path]:
         ax.set_xlabel("draft tokens verified per call (tree total_tokens)")
         ax.set_ylabel("tokens/s")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        made.append(out / "tokens_per_s_vs_tree.png")
-        fig.savefig(made[-1], dpi=110)
-        plt.close(fig)
+        made.append(_save(fig, out / "tokens_per_s_vs_tree.png"))
     return made
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write(out: Path) -> Path:
