@@ -12,7 +12,7 @@ from prompts import PROMPTS
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import TreeConfig
-from moaspec.drafters import TRAINED, resolve_auto, shipped_checkpoint
+from moaspec.drafters import TRAINED, drafter_kind, resolve_auto, shipped_checkpoint
 
 SHIPPED = [kind for kind in TRAINED if shipped_checkpoint(kind, SMOL).exists()]
 
@@ -65,7 +65,7 @@ def test_shipped_qwen_drafters_are_lossless():
     cfg = GenerationConfig(max_new_tokens=32)
     plain = [dec.generate(p, cfg) for p in PROMPTS[:3]]
     for label in QWEN_SHIPPED:
-        dec.set_drafter(label.split("-")[0], drafter_path=str(shipped_checkpoint(label, QWEN)),
+        dec.set_drafter(drafter_kind(label), drafter_path=str(shipped_checkpoint(label, QWEN)),
                         tree=TreeConfig(depth=3, topk=2, total_tokens=4))
         for i, ref in enumerate(plain):
             g = dec.generate(ref.prompt_ids, cfg)

@@ -430,16 +430,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.suite import BenchConfig, run
 
     _check_model_name(args.model, "--model")
-    split = lambda x: tuple(v.strip() for v in x.split(",") if v.strip())  # noqa: E731
     try:
-        temps = tuple(float(t) for t in split(args.temperatures))
+        temps = tuple(float(t) for t in _csv(args.temperatures))
     except ValueError:
         raise UserError(f"--temperatures must be numbers like 0,1; got {args.temperatures!r}") from None
-    kw = dict(model=args.model, methods=split(args.methods), tasks=split(args.tasks), tree=args.tree,
+    kw = dict(model=args.model, methods=_csv(args.methods), tasks=_csv(args.tasks), tree=args.tree,
               checkpoints=args.checkpoints, weights=args.weights, out=args.out, seed=args.seed)
     if args.quick:
         cfg = BenchConfig.quick(**kw)

@@ -7,11 +7,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from moaspec.decoding.engine import Engine, GenerationConfig, Metrics
 from moaspec.decoding.target import LocalTarget
@@ -87,10 +90,6 @@ class SpecDecoder:
     def auto_tree(self) -> TreeConfig:
         """The tree this machine affords (`tree_for_costs` over measured pass costs), measured once per
         model, weight mode, device and thread count, and cached."""
-        import json
-
-        import torch
-
         key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
         path = cache_dir() / "calibration.json"
         try:

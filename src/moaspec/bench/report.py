@@ -162,7 +162,7 @@ def plots(out: Path, meta: dict, rows: list[dict]) -> list[Path]:
         for r in hist:
             total = sum(r["accept_histogram"].values())
             xs = sorted(int(k) for k in r["accept_histogram"])
-            ax.plot(xs, [r["accept_histogram"][k if k in r["accept_histogram"] else str(k)] / total for k in xs],
+            ax.plot(xs, [r["accept_histogram"][k] / total for k in xs],
                     marker="o", label=f"{r['method']} (tau {r['tau']:.2f})")
         ax.set_xlabel("tokens per target call (accepted + 1)")
         ax.set_ylabel("share of target calls")

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import TreeConfig
-from moaspec.drafters import TRAINED
+from moaspec.drafters import TRAINED, drafter_kind
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve
 from moaspec.pipeline import SpecDecoder, load_tokenizer
@@ -112,7 +112,7 @@ def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights:
     engines = {"none": dec.engine}
     for label, draft_model in drafters:
         folder, _, variant = label.partition("/")  # "moa-n1" -> checkpoint folder; "/full": untrimmed head
-        name = folder.split("-")[0]
+        name = drafter_kind(folder)
         for tree in trees:
             path = str(Path(checkpoints) / folder) if checkpoints and name in TRAINED else None
             dec.set_drafter(name, draft_model=draft_model, drafter_path=path, tree=tree)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"scoring": result["scoring"]}), flush=True)
     if "drafters" in parts:
         drafters = [(d, a.draft_model if d == "model" else None) for d in a.drafters.split(",")]
-        trees = [TreeConfig(*map(int, t.split(","))) for t in a.trees.split(";")]
+        trees = [TreeConfig.parse(t) for t in a.trees.split(";")]
         prompts = PROMPTS
         if a.prompts_from:
             lines = Path(a.prompts_from).read_text().splitlines()

@@ -28,7 +28,7 @@ from moaspec.bench.tasks import Question, load_tasks
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import PAPER_GPU_TREE, TreeConfig
-from moaspec.drafters import DEFAULT_DRAFT_MODEL, shipped_checkpoint
+from moaspec.drafters import DEFAULT_DRAFT_MODEL, drafter_kind, shipped_checkpoint
 from moaspec.errors import UserError
 from moaspec.pipeline import SpecDecoder
 
@@ -93,10 +93,10 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
             if not (folder / "config.json").exists():
                 if cfg.methods:
                     raise UserError(f"method {n}: no checkpoint at {folder}; train it with `moaspec train --model "
-                                    f"{cfg.model} --kind {n.split('-')[0]} ...` or pass --checkpoints DIR")
+                                    f"{cfg.model} --kind {drafter_kind(n)} ...` or pass --checkpoints DIR")
                 notes.append(f"{n}: no checkpoint at {folder}")
                 continue
-            out.append(Method(n, n.split("-")[0], str(folder)))
+            out.append(Method(n, drafter_kind(n), str(folder)))
         elif n in ("model", "hf-assisted"):
             draft = DEFAULT_DRAFT_MODEL.get(cfg.model)
             if draft is None:
@@ -138,17 +138,13 @@ class Bench:
         self._assistant = None
 
     def _tree(self) -> TreeConfig | str:
-        if self.cfg.tree in ("auto", "sweep"):
-            return "auto"
-        try:
-            return TreeConfig(*map(int, self.cfg.tree.split(",")))
-        except (TypeError, ValueError):
-            raise UserError(f"--tree must be auto, sweep or depth,topk,total; got {self.cfg.tree!r}") from None
+        return "auto" if self.cfg.tree in ("auto", "sweep") else TreeConfig.parse(self.cfg.tree)
 
     # ---------------------------------------------------------------- one answer
     def answer(self, method: Method, q: Question, temperature: float, max_new_tokens: int | None = None,
-               turns: int | None = None) -> list[TurnResult]:
-        """All turns of a question; a later turn sees this method's own earlier answers."""
+               turns: int | None = None, engine: Engine | None = None) -> list[TurnResult]:
+        """All turns of a question; a later turn sees this method's own earlier answers. `engine`
+        overrides the method's own (the sweep's trees)."""
         messages: list[dict] = []
         out = []
         for i, turn in enumerate(q.turns[:turns]):
@@ -157,13 +153,16 @@ class Bench:
             gen = GenerationConfig(max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
                                    sampling=SamplingParams(temperature=temperature, seed=seed))
             ids = self.dec.encode(messages)
-            r = self._peer(method, ids, gen) if method.name in PEERS else self._engine(method, ids, gen)
+            if method.name in PEERS:
+                r = self._peer(method, ids, gen)
+            else:
+                r = self._engine(engine or self.engines[method.name], ids, gen)
             out.append(r)
             messages.append({"role": "assistant", "content": r.text})
         return out
 
-    def _engine(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
-        self.dec.engine = self.engines[method.name]
+    def _engine(self, engine: Engine, ids: list[int], gen: GenerationConfig) -> TurnResult:
+        self.dec.engine = engine
         g = self.dec.generate(ids, gen)
         m = g.metrics
         return TurnResult(g.text, g.token_ids, m.total_s, list(m.accept_lengths), m.draft_s, m.verify_s, m.prefill_s)
@@ -218,12 +217,10 @@ class Bench:
             tok[("plain", None)] += len(r.token_ids)
             secs[("plain", None)] += r.wall_time
             for key, engine in engines.items():
-                self.engines["_sweep"] = engine
-                r = self.answer(Method("_sweep"), q, 0.0, self.cfg.sweep_tokens, turns=1)[0]
+                r = self.answer(cands[key[0]], q, 0.0, self.cfg.sweep_tokens, turns=1, engine=engine)[0]
                 tok[key] += len(r.token_ids)
                 secs[key] += r.wall_time
                 taus[key] += r.accept_lengths
-        self.engines.pop("_sweep", None)
         base = tok[("plain", None)] / secs[("plain", None)]
         rows = [{"method": name, "tree": asdict(tree), "tokens_per_s": round(tok[(name, tree)] / secs[(name, tree)], 3),
                  "speedup": round(tok[(name, tree)] / secs[(name, tree)] / base, 3),

@@ -30,6 +30,14 @@ class TreeConfig:
         if self.depth < 0 or self.topk < 1 or self.total_tokens < 0:
             raise UserError(f"invalid tree shape {self}: depth >= 0, topk >= 1, total_tokens >= 0")
 
+    @classmethod
+    def parse(cls, text: str) -> TreeConfig:
+        """ "depth,topk,total" as written on command lines."""
+        try:
+            return cls(*map(int, text.split(",")))
+        except (TypeError, ValueError):
+            raise UserError(f"a tree is written depth,topk,total (e.g. 3,1,3); got {text!r}") from None
+
 
 PAPER_GPU_TREE = TreeConfig(depth=6, topk=8, total_tokens=62)
 

@@ -23,6 +23,11 @@ DEFAULT_DRAFT_MODEL = {
 }
 
 
+def drafter_kind(label: str) -> str:
+    """The drafter kind of a checkpoint label: "moa-n3" -> "moa" (labels of `moaspec train`)."""
+    return label.split("-")[0]
+
+
 def shipped_checkpoint(kind: str, model: str) -> Path:
     """Where the checkpoint of a drafter kind trained for a target ships inside the package."""
     return Path(__file__).resolve().parent.parent / "checkpoints" / model / kind

@@ -26,6 +26,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def drafting_rows(x: torch.Tensor) -> bool:
+    """True outside autograd for at most 16 rows: the case the decoding kernels are tuned for."""
+    return not torch.is_grad_enabled() and x.numel() // x.shape[-1] <= 16
+
+
+def apply_rows(fast: Linear, x: torch.Tensor) -> torch.Tensor:
+    """`fast` over the rows of x [..., in] -> [..., out]."""
+    return fast(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], fast.out_features)
+
+
 class DraftLinear(nn.Linear):
     """nn.Linear that, outside autograd (drafting, validation), runs through the decoding-tuned
     `models.linear.Linear` kernels in the target's weight mode: drafting multiplies 1-16 rows, where
@@ -34,14 +44,14 @@ class DraftLinear(nn.Linear):
     mode = "fp32"  # set to the target's weight mode by TargetBoundDrafter.attach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.numel() // x.shape[-1] > 16:
+        if not drafting_rows(x):
             return super().forward(x)
         key = (self.weight._version, self.weight.data_ptr(), self.mode)
         if getattr(self, "_fast_key", None) != key:
             bias = None if self.bias is None else self.bias.detach()
             self._fast = Linear(self.weight.detach(), bias, self.mode)
             self._fast_key = key
-        return self._fast(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+        return apply_rows(self._fast, x)
 
 
 class SwiGLU(nn.Module):

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moaspec.decoding.tree import Tree
-from moaspec.drafters.layers import DraftLinear
+from moaspec.drafters.layers import DraftLinear, apply_rows, drafting_rows
 from moaspec.errors import UserError
 from moaspec.models.linear import Linear
 from moaspec.models.runtime import ModelConfig, Transformer
@@ -221,10 +221,7 @@ class TargetBoundDrafter(nn.Module):
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         """LM-head logits over the drafter's vocabulary for states [..., D]."""
         self._require_target()
-        rows = final.numel() // final.shape[-1]
-        if torch.is_grad_enabled() or rows > 16:
-            return F.linear(final, self.head)
-        return self._fast_head(final.reshape(rows, -1)).reshape(*final.shape[:-1], self.head.shape[0])
+        return apply_rows(self._fast_head, final) if drafting_rows(final) else F.linear(final, self.head)
 
     def _logprobs(self, final: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.logits(final), -1)

@@ -185,17 +185,19 @@ class Trainer:
         t = self.target
         t.reset()
         out = t.forward(torch.tensor(ex.ids), logits_rows=slice(0, 0), hidden_layers=self.layers)
-        T = len(ex.ids)
-        K, V = t.kv(slice(0, T))  # [L, Hkv, T, d]
-        final = out.hidden[t.cfg.num_layers]
+        # Clones leave inference mode (usable in autograd); each tensor is copied once.
+        K, V = (x.clone() for x in t.kv(slice(0, len(ex.ids))))  # [L, Hkv, T, d]
+        hidden = {i: h.clone() for i, h in out.hidden.items()}
+        final = hidden[t.cfg.num_layers]
         head = self.drafter.head  # every drafter shares the trimmed vocabulary of the same data
         with torch.inference_mode():
-            target_logits = F.linear(final, head)  # over the drafter's vocabulary
+            probs = F.linear(final, head).softmax(-1)  # over the drafter's vocabulary
+            argmax = t.lm_head(final).argmax(-1) if greedy else None
         res = {"k": K.permute(2, 0, 1, 3), "v": V.permute(2, 0, 1, 3), "K": K, "V": V, "final": final,
-               "probs": target_logits.softmax(-1), "hidden": dict(out.hidden)}
+               "probs": probs.clone(), "hidden": hidden}
         if greedy:
-            res["argmax"] = t.lm_head(final).argmax(-1)
-        return _outside_inference_mode(res)
+            res["argmax"] = argmax.clone()
+        return res
 
     # ------------------------------------------------------------------ loss
     def sequence_loss(self, st: Student, ex: Example, tp: dict, every: int,
@@ -403,10 +405,3 @@ def export(run: str | Path, dest: str | Path | None = None) -> list[Path]:
         shutil.copy(run / label / "training.json", to / "training.json")
         out.append(to)
     return out
-
-
-def _outside_inference_mode(x):
-    """Clones of inference-mode tensors, usable in autograd (nested dicts too)."""
-    if isinstance(x, dict):
-        return {k: _outside_inference_mode(v) for k, v in x.items()}
-    return x.clone()
