@@ -218,6 +218,23 @@ def test_join_then_convert_and_cache(fake_split_model, home, monkeypatch):
     assert store.resolve(spec.name, progress=False) == out
 
 
+def test_gguf_file_joins_once_and_keeps(fake_split_model, home, monkeypatch):
+    spec, data = fake_split_model
+    path = store.gguf_file(spec.name, progress=False)
+    assert path == home / "gguf" / spec.gguf_name and path.read_bytes() == b"".join(data)
+    monkeypatch.setattr(store, "_join_parts", lambda *a, **k: pytest.fail("should reuse the joined file"))
+    assert store.gguf_file(spec.name, progress=False) == path
+
+
+def test_gguf_file_bad_checksum_leaves_nothing(fake_split_model, home, monkeypatch):
+    spec, _ = fake_split_model
+    monkeypatch.setitem(MODELS, spec.name, ModelSpec(name=spec.name, packages=spec.packages, parts=spec.parts,
+                                                     sha256="cd" * 32, gguf_name=spec.gguf_name))
+    with pytest.raises(ModelStoreError, match="Checksum mismatch"):
+        store.gguf_file(spec.name, progress=False)
+    assert [p.name for p in (home / "gguf").iterdir()] == [f".{spec.name}.lock"]
+
+
 def test_incomplete_folder_is_redone(fake_split_model, home, monkeypatch):
     spec, _ = fake_split_model
     dest = home / "models" / spec.name

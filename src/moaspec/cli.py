@@ -101,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "method, interleaved per question, with peers",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     b.add_argument("--model", default="qwen2.5-coder-0.5b")
-    b.add_argument("--methods", default="", help="comma-separated among plain, hf, hf-assisted, lookup, model, "
-                   "independent, eagle, moa, moa-n1, moa-n3; default: plain, the peers and every drafter "
-                   "with a checkpoint")
+    b.add_argument("--methods", default="", help="comma-separated among plain, hf, hf-assisted, llama.cpp, "
+                   "llama.cpp-spec, lookup, model, independent, eagle, moa, moa-n1, moa-n3; default: plain, "
+                   "the peers (llama.cpp where `make llama-cpp` built it) and every drafter with a checkpoint")
     b.add_argument("--tasks", default="", help="comma-separated task sets; default: all")
     b.add_argument("--questions", type=int, default=None, help="questions per task (default: the whole set)")
     b.add_argument("--max-new-tokens", type=int, default=256)

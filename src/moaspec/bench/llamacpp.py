@@ -1,0 +1,96 @@
+"""llama.cpp as a benchmark peer: its plain decoding (`llama-completion`) and its speculative
+decoding with a draft model (`llama-speculative-simple`, llama.cpp's own defaults), on the GGUF
+files our models ship as (Q4/Q8 weights, where we run de-quantised fp32 or fp16).
+
+The programs are built from the llama.cpp that llama-cpp-python vendors (`make llama-cpp`, about
+5 minutes) into ``~/.cache/moaspec/llama.cpp/build/bin``; ``$MOASPEC_LLAMA_CPP`` points elsewhere.
+Each answer is one process; the times are llama.cpp's own (prompt + generation, model load left
+out), as our engine's are.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from moaspec.errors import UserError
+from moaspec.models.store import cache_dir
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp `make llama-cpp` builds
+PLAIN, SPEC = "llama-completion", "llama-speculative-simple"
+
+
+def bin_dir() -> Path:
+    env = os.environ.get("MOASPEC_LLAMA_CPP")
+    return Path(env).expanduser() if env else cache_dir() / "llama.cpp" / "build" / "bin"
+
+
+def missing() -> str | None:
+    """Why llama.cpp can't run here, or None when both programs are built."""
+    absent = [b for b in (PLAIN, SPEC) if not (bin_dir() / b).is_file()]
+    if absent:
+        return f"{', '.join(absent)} not found in {bin_dir()}; build them with `make llama-cpp`"
+    return None
+
+
+@dataclass
+class LlamaCppAnswer:
+    text: str
+    new_tokens: int
+    prompt_s: float
+    decode_s: float
+    drafted: int = 0
+    accepted: int = 0
+
+
+def _sampling(temperature: float, seed: int) -> list[str]:
+    if temperature <= 0:
+        return ["--temp", "0", "--seed", str(seed)]
+    # plain temperature sampling: llama.cpp's default top-k/top-p/min-p filters off, as in our engine
+    return ["--temp", f"{temperature:g}", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", str(seed)]
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[str, str]:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UserError(f"llama.cpp failed to run ({e}): {' '.join(cmd[:3])} ...") from e
+    if p.returncode != 0:
+        raise UserError(f"llama.cpp exited with code {p.returncode}: {p.stderr.strip()[-800:]}")
+    return p.stdout, p.stderr
+
+
+def _num(pattern: str, text: str, what: str) -> list[str]:
+    m = re.search(pattern, text)
+    if m is None:
+        raise UserError(f"could not read {what} from llama.cpp's output (a different llama.cpp version?)")
+    return list(m.groups())
+
+
+def generate(prompt: str, model_gguf: Path, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+             draft_gguf: Path | None = None, threads: int = 2, ctx: int = 4096,
+             timeout: float = 1800) -> LlamaCppAnswer:
+    """One answer to an already chat-templated `prompt` (special tokens are parsed, as our tokenizer does)."""
+    if why := missing():
+        raise UserError(f"llama.cpp is not built: {why}")
+    common = ["-m", str(model_gguf), "-p", prompt, "-n", str(max_new_tokens), "-c", str(ctx), "-t", str(threads),
+              "--no-warmup", *_sampling(temperature, seed)]
+    if draft_gguf is None:
+        out, err = _run([str(bin_dir() / PLAIN), *common, "-no-cnv", "--no-display-prompt", "--simple-io"], timeout)
+        p_ms, = _num(r"prompt eval time =\s*([\d.]+) ms", err, "the prompt time")
+        e_ms, = _num(r"\beval time =\s*([\d.]+) ms", err.split("prompt eval time", 1)[1], "the generation time")
+        n, = _num(r"sampling time =\s*[\d.]+ ms /\s*(\d+) runs", err, "the token count")
+        return LlamaCppAnswer(out.strip(), int(n), float(p_ms) / 1e3, float(e_ms) / 1e3)
+    out, err = _run([str(bin_dir() / SPEC), *common, "-md", str(draft_gguf), "-td", str(threads)], timeout)
+    enc, = _num(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", err, "the prompt time")
+    n, dec = _num(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "the generation time")
+    drafted, = _num(r"n_drafted\s*=\s*(\d+)", err, "the drafted count")
+    accepted, = _num(r"n_accept\s*=\s*(\d+)", err, "the accepted count")
+    text = out.strip()
+    head = prompt.strip()
+    if text.startswith(head):  # the program echoes the prompt first
+        text = text[len(head):].strip()
+    return LlamaCppAnswer(text, int(n), float(enc), float(dec), int(drafted), int(accepted))

@@ -1,0 +1,83 @@
+"""The llama.cpp peer: finding the programs and reading their output. Stand-in programs print what
+llama.cpp's print (the formats of the pinned version); the real programs run in `moaspec bench`."""
+
+from __future__ import annotations
+
+import pytest
+
+from moaspec.bench import llamacpp
+from moaspec.bench.suite import BenchConfig, resolve_methods
+from moaspec.errors import UserError
+
+PLAIN_ERR = """llama_perf_sampler_print:    sampling time =       3.10 ms /    21 runs   (    0.15 ms per token)
+llama_perf_context_print:        load time =     310.00 ms
+llama_perf_context_print: prompt eval time =     120.50 ms /    30 tokens (    4.02 ms per token)
+llama_perf_context_print:        eval time =     540.25 ms /    20 runs   (   27.01 ms per token)
+"""
+SPEC_ERR = """encoded   30 tokens in    0.130 seconds, speed:  230.000 t/s
+decoded   24 tokens in    0.900 seconds, speed:   26.667 t/s
+
+n_draft   = 3
+n_predict = 24
+n_drafted = 27
+n_accept  = 15
+accept    = 55.556%
+"""
+
+
+def _program(folder, name, stdout, stderr, rc=0):
+    (folder / f"{name}.out").write_text(stdout)
+    (folder / f"{name}.err").write_text(stderr)
+    p = folder / name
+    p.write_text(f'#!/bin/sh\necho "$@" > "{folder}/{name}.args"\ncat "{folder}/{name}.out"\n'
+                 f'cat "{folder}/{name}.err" >&2\nexit {rc}\n')
+    p.chmod(0o755)
+
+
+@pytest.fixture
+def programs(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOASPEC_LLAMA_CPP", str(tmp_path))
+    return tmp_path
+
+
+def test_missing_programs_say_how_to_build(programs):
+    assert "make llama-cpp" in llamacpp.missing()
+    with pytest.raises(UserError, match="make llama-cpp"):
+        llamacpp.generate("hi", programs / "m.gguf", 8)
+    with pytest.raises(UserError, match="make llama-cpp"):
+        resolve_methods(BenchConfig(model="smollm2-135m", methods=("plain", "llama.cpp")))
+
+
+def test_plain_and_speculative_outputs_are_read(programs):
+    _program(programs, llamacpp.PLAIN, " def f(x):\n    return x\n", PLAIN_ERR)
+    _program(programs, llamacpp.SPEC, "\n\n<|im_start|>user hi<|im_end|> Hello there\n\n", SPEC_ERR)
+    assert llamacpp.missing() is None
+    a = llamacpp.generate("<|im_start|>user hi<|im_end|>", programs / "m.gguf", 20, temperature=1.0, seed=7)
+    assert (a.text, a.new_tokens, a.prompt_s, a.decode_s) == ("def f(x):\n    return x", 21, 0.1205, 0.54025)
+    args = (programs / f"{llamacpp.PLAIN}.args").read_text().split()
+    assert args[args.index("--temp") + 1] == "1" and args[args.index("--top-k") + 1] == "0"
+    assert args[args.index("--seed") + 1] == "7" and "-no-cnv" in args
+
+    s = llamacpp.generate("<|im_start|>user hi<|im_end|>", programs / "m.gguf", 24, draft_gguf=programs / "d.gguf")
+    assert (s.text, s.new_tokens, s.drafted, s.accepted) == ("Hello there", 24, 27, 15)
+    assert (s.prompt_s, s.decode_s) == (0.13, 0.9)
+    args = (programs / f"{llamacpp.SPEC}.args").read_text().split()
+    assert args[args.index("-md") + 1] == str(programs / "d.gguf") and args[args.index("--temp") + 1] == "0"
+
+
+def test_failures_are_clear(programs):
+    _program(programs, llamacpp.PLAIN, "", "error: failed to load model\n", rc=1)
+    _program(programs, llamacpp.SPEC, "text", "no timings here\n")
+    with pytest.raises(UserError, match="exited with code 1: error: failed to load model"):
+        llamacpp.generate("p", programs / "m.gguf", 8)
+    with pytest.raises(UserError, match="could not read the prompt time"):
+        llamacpp.generate("p", programs / "m.gguf", 8, draft_gguf=programs / "d.gguf")
+
+
+def test_llama_cpp_needs_a_known_model(programs, tmp_path):
+    _program(programs, llamacpp.PLAIN, "", PLAIN_ERR)
+    _program(programs, llamacpp.SPEC, "", SPEC_ERR)
+    with pytest.raises(UserError, match="shipped GGUF of a known model"):
+        resolve_methods(BenchConfig(model=str(tmp_path), methods=("plain", "llama.cpp")))
+    with pytest.raises(UserError, match="needs a draft model"):
+        resolve_methods(BenchConfig(model="qwen2.5-coder-0.5b", methods=("plain", "llama.cpp-spec")))
