@@ -9,10 +9,12 @@ from moaspec.bench import llamacpp
 from moaspec.bench.suite import BenchConfig, resolve_methods
 from moaspec.errors import UserError
 
-PLAIN_ERR = """llama_perf_sampler_print:    sampling time =       3.10 ms /    21 runs   (    0.15 ms per token)
-llama_perf_context_print:        load time =     310.00 ms
-llama_perf_context_print: prompt eval time =     120.50 ms /    30 tokens (    4.02 ms per token)
-llama_perf_context_print:        eval time =     540.25 ms /    20 runs   (   27.01 ms per token)
+PLAIN_ERR = """0.01.577.410 I common_perf_print:    sampling time =       8.01 ms
+0.01.577.476 I common_perf_print:    samplers time =       2.65 ms /    50 tokens
+0.01.577.495 I common_perf_print:        load time =     128.17 ms
+0.01.577.496 I common_perf_print: prompt eval time =     120.50 ms /    30 tokens (    8.52 ms per token)
+0.01.577.497 I common_perf_print:        eval time =     530.00 ms /    20 runs   (   23.49 ms per token)
+0.01.577.498 I common_perf_print:       total time =     660.50 ms /    50 tokens
 """
 SPEC_ERR = """encoded   30 tokens in    0.130 seconds, speed:  230.000 t/s
 decoded   24 tokens in    0.900 seconds, speed:   26.667 t/s
@@ -53,7 +55,7 @@ def test_plain_and_speculative_outputs_are_read(programs):
     _program(programs, llamacpp.SPEC, "\n\n<|im_start|>user hi<|im_end|> Hello there\n\n", SPEC_ERR)
     assert llamacpp.missing() is None
     a = llamacpp.generate("<|im_start|>user hi<|im_end|>", programs / "m.gguf", 20, temperature=1.0, seed=7)
-    assert (a.text, a.new_tokens, a.prompt_s, a.decode_s) == ("def f(x):\n    return x", 21, 0.1205, 0.54025)
+    assert (a.text, a.new_tokens, a.prompt_s, a.decode_s) == ("def f(x):\n    return x", 20, 0.1205, 0.54)
     args = (programs / f"{llamacpp.PLAIN}.args").read_text().split()
     assert args[args.index("--temp") + 1] == "1" and args[args.index("--top-k") + 1] == "0"
     assert args[args.index("--seed") + 1] == "7" and "-no-cnv" in args

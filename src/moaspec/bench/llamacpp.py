@@ -77,14 +77,17 @@ def generate(prompt: str, model_gguf: Path, max_new_tokens: int, temperature: fl
     if why := missing():
         raise UserError(f"llama.cpp is not built: {why}")
     common = ["-m", str(model_gguf), "-p", prompt, "-n", str(max_new_tokens), "-c", str(ctx), "-t", str(threads),
-              "--no-warmup", *_sampling(temperature, seed)]
+              *_sampling(temperature, seed)]
     if draft_gguf is None:
-        out, err = _run([str(bin_dir() / PLAIN), *common, "-no-cnv", "--no-display-prompt", "--simple-io"], timeout)
-        p_ms, = _num(r"prompt eval time =\s*([\d.]+) ms", err, "the prompt time")
-        e_ms, = _num(r"\beval time =\s*([\d.]+) ms", err.split("prompt eval time", 1)[1], "the generation time")
-        n, = _num(r"sampling time =\s*[\d.]+ ms /\s*(\d+) runs", err, "the token count")
-        return LlamaCppAnswer(out.strip(), int(n), float(p_ms) / 1e3, float(e_ms) / 1e3)
-    out, err = _run([str(bin_dir() / SPEC), *common, "-md", str(draft_gguf), "-td", str(threads)], timeout)
+        out, err = _run([str(bin_dir() / PLAIN), *common, "--no-warmup", "-no-cnv", "--no-display-prompt", "--simple-io"], timeout)
+        p_ms, n_prompt = _num(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", err, "the prompt time")
+        total_ms, = _num(r"total time =\s*([\d.]+) ms", err, "the total time")
+        sampled, = _num(r"samplers time =\s*[\d.]+ ms /\s*(\d+) tokens", err, "the token count")
+        n = int(sampled) - int(n_prompt)
+        n -= n < max_new_tokens  # it stopped on an end-of-generation token, which our count leaves out
+        return LlamaCppAnswer(out.strip(), n, float(p_ms) / 1e3, (float(total_ms) - float(p_ms)) / 1e3)
+    out, err = _run([str(bin_dir() / SPEC), *common, "--spec-type", "draft-simple", "-md", str(draft_gguf),
+                    "-td", str(threads)], timeout)
     enc, = _num(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", err, "the prompt time")
     n, dec = _num(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "the generation time")
     drafted, = _num(r"n_drafted\s*=\s*(\d+)", err, "the drafted count")
