@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from moaspec import cli
+from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters import resolve_auto
 
 MODEL = "smollm2-135m"
@@ -134,6 +135,7 @@ BAD_INPUT = {
     "not a number": ["generate", "--prompt", "hi", "--max-new-tokens", "many"],
     "bad weights": ["generate", "--prompt", "hi", "--weights", "int3"],
     "bad tree": ["generate", "--prompt", "hi", "--topk", "0"],
+    "adaptive tree with top-k": ["generate", "--prompt", "hi", "--adaptive", "--topk", "2"],
     "chat bad sampling": ["chat", "--top-p", "2"],
     "no command": [],
     "unknown command": ["train"],
@@ -151,6 +153,13 @@ def test_bad_input_exits_2_with_a_message(capsys, monkeypatch, argv):
     assert code == 2
     assert err.startswith("error: ") and len(err.strip()) > len("error: ")
     assert "Traceback" not in err and out == ""
+
+
+def test_adaptive_tree_flag():
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--adaptive", "--depth", "5"])
+    assert cli._tree_config(args) == TreeConfig(5, 1, 5, adaptive=True)
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi"])
+    assert cli._tree_config(args) == "auto"
 
 
 def test_prompt_longer_than_context(capsys):

@@ -99,6 +99,30 @@ def test_self_drafting_accepts_everything(dec_model, plain_greedy):
     assert_same_or_near_tie(dec_model.target, prompt_ids, plain, g.token_ids, "self-drafting")
 
 
+def test_adaptive_chain_is_lossless_and_varies_its_length(dec_lookup, plain_greedy):
+    """Lookup drafting with the chain length chosen per call: still plain greedy's tokens."""
+    from moaspec.decoding.engine import Engine
+    from moaspec.decoding.tree import AdaptiveChain
+
+    tree = TreeConfig.parse("adaptive:6")
+    old = dec_lookup.engine
+    seen = []
+    adapt = AdaptiveChain({1: 10.0, 2: 10.0, 4: 10.5, 8: 12.0}, tree.depth)
+    choose = adapt.choose
+    adapt.choose = lambda: seen.append(choose()) or seen[-1]
+    dec_lookup.engine = Engine(old.target, old.drafter, tree, adapt)
+    try:
+        prompt_ids, plain = plain_greedy(PROMPTS[5], MAX_NEW)
+        g = dec_lookup.generate(prompt_ids, GenerationConfig(max_new_tokens=MAX_NEW))
+    finally:
+        dec_lookup.engine = old
+    check_metrics(g, tree)
+    assert seen and all(1 <= d <= 6 for d in seen) and len(set(seen)) > 1, seen
+    assert_same_or_near_tie(old.target, prompt_ids, plain, g.token_ids, "lookup/adaptive")
+    with pytest.raises(ValueError, match="AdaptiveChain"):
+        Engine(old.target, old.drafter, tree)
+
+
 # --------------------------------------------------------------------------- EOS, length, stop strings
 SHORT = "What is the capital of France? Answer in one word."
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from moaspec.decoding.tree import PAPER_GPU_TREE, Tree, TreeConfig, grow_tree, tree_for_costs
+from moaspec.decoding.tree import PAPER_GPU_TREE, AdaptiveChain, Tree, TreeConfig, grow_tree, tree_for_costs
 from moaspec.drafters.lookup import LookupDrafter
 from moaspec.errors import UserError
 
@@ -276,3 +276,46 @@ def test_auto_tree_is_measured_once_and_cached(dec_none, tmp_path, monkeypatch):
     (tmp_path / "calibration.json").write_text("{not json")
     assert dec_none.auto_tree().total_tokens >= 1 and len(calls) == 2
     assert dec_none.target.length == 0  # calibration leaves the cache empty
+
+
+def _drive(chain: AdaptiveChain, calls: int, accept: float, step_ms: float = 1.0, pass_ms: float = 10.0) -> list[int]:
+    """Feed `calls` target calls where each draft is accepted with chance `accept` (deterministic
+    pattern); returns the lengths chosen."""
+    chosen, credit = [], 0.0
+    for _ in range(calls):
+        d = chain.choose()
+        chosen.append(d)
+        n = 0
+        while n < d:
+            credit += accept
+            if credit < 1:
+                break
+            credit -= 1
+            n += 1
+        chain.update(d, n, d * step_ms / 1e3, pass_ms * chain.rel[d] / 1e3)
+    return chosen
+
+
+def test_adaptive_chain_follows_acceptance_and_costs():
+    flat = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}  # a GPU-like flat verify cost
+    a = AdaptiveChain(flat, max_depth=8)
+    assert a.choose() == 3  # nothing measured yet
+    assert _drive(a, 30, 1.0)[-1] == 8  # cheap drafts, all accepted: the longest chain
+    assert _drive(AdaptiveChain(flat, 8), 30, 0.0)[-1] == 1  # nothing accepted: the floor
+    assert _drive(a, 40, 0.0)[-1] == 1  # the regime changed: it follows within a window of calls
+    cpu = {1: 10.0, 2: 10.0, 4: 11.0, 8: 40.0}  # rows past 4 get dear, as on this CPU
+    assert _drive(AdaptiveChain(cpu, 8), 30, 1.0)[-1] == 3
+    # dear draft steps (a draft model a third of the target) need high acceptance to draft long
+    assert _drive(AdaptiveChain(flat, 8), 30, 0.5, step_ms=3.3)[-1] <= 2
+    with pytest.raises(ValueError):
+        AdaptiveChain({2: 1.0})
+
+
+def test_adaptive_tree_config():
+    t = TreeConfig.parse("adaptive:5")
+    assert (t.depth, t.topk, t.total_tokens, t.adaptive) == (5, 1, 5, True)
+    assert TreeConfig.parse("adaptive").depth == 8 and "adaptive" in t.label()
+    with pytest.raises(UserError, match="chain"):
+        TreeConfig(4, 2, 4, adaptive=True)
+    with pytest.raises(UserError, match="adaptive"):
+        TreeConfig.parse("adaptive:x")

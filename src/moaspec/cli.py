@@ -17,7 +17,7 @@ from pathlib import Path
 
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.tree import TreeConfig
+from moaspec.decoding.tree import ADAPTIVE_MAX_DEPTH, TreeConfig
 from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, resolve_auto
 from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
@@ -25,7 +25,7 @@ from moaspec.models.store import DEFAULT_MODEL, MODELS
 
 EXIT_USAGE = 2
 EXIT_INTERRUPT = 130
-_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig)}
+_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig) if f.name != "adaptive"}
 
 
 class _UsageError(Exception):
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperatures", default="0,1", help="comma-separated; T=0 answers are checked token-identical "
                    "to plain decoding")
     b.add_argument("--tree", default="auto", help="auto (calibrated to this machine), sweep (measure a grid, use the "
-                   "best per method) or depth,topk,total")
+                   "best per method), adaptive[:max depth] (chain length chosen per call) or depth,topk,total")
     b.add_argument("--checkpoints", metavar="DIR", help="folder of <method>/ drafter checkpoints (default: shipped)")
     b.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
     b.add_argument("--out", default="bench-out", help="answer files, report.md, results.json and plots; "
@@ -152,6 +152,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--topk", type=int, help=f"children per expanded node (default {_TREE_DEFAULTS['topk']})")
     t.add_argument("--total-tokens", type=int,
                    help=f"draft tokens verified per target call (default {_TREE_DEFAULTS['total_tokens']})")
+    t.add_argument("--adaptive", action="store_true", help="draft a chain whose length (up to --depth, default "
+                   f"{ADAPTIVE_MAX_DEPTH}) is chosen per call from live acceptance and this machine's costs")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -185,6 +187,10 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
 def _tree_config(args: argparse.Namespace) -> TreeConfig | str:
     """A fixed shape when any of --depth/--topk/--total-tokens is given, else "auto"."""
     given = {k: v for k in _TREE_DEFAULTS if (v := getattr(args, k)) is not None}
+    if args.adaptive:
+        if set(given) - {"depth"}:
+            raise UserError("--adaptive drafts a chain: give at most --depth (its longest length)")
+        return TreeConfig.parse(f"adaptive:{given.get('depth', ADAPTIVE_MAX_DEPTH)}")
     return TreeConfig(**{**_TREE_DEFAULTS, **given}) if given else "auto"
 
 

@@ -18,7 +18,7 @@ import torch
 
 from moaspec.decoding.engine import Engine, GenerationConfig, Metrics
 from moaspec.decoding.target import LocalTarget
-from moaspec.decoding.tree import TreeConfig, tree_for_costs
+from moaspec.decoding.tree import AdaptiveChain, TreeConfig, tree_for_costs
 from moaspec.drafters import build_drafter
 from moaspec.errors import UserError
 from moaspec.models.linear import WeightMode
@@ -77,19 +77,27 @@ class SpecDecoder:
 
     def set_drafter(self, drafter: str = "none", draft_model: str | None = None, drafter_path: str | None = None,
                     tree: TreeConfig | str | None = None) -> None:
-        """Swap the drafter (and tree shape; "auto" = calibrated for this machine) on the loaded target:
-        benchmarks compare drafters on one copy of the target's weights."""
+        """Swap the drafter (and tree shape: "auto" = calibrated for this machine, "adaptive[:depth]" = a
+        chain whose length follows live acceptance) on the loaded target: benchmarks compare drafters on
+        one copy of the target's weights."""
         if isinstance(tree, str) and tree != "auto":
-            raise UserError(f"tree must be 'auto' or a TreeConfig, got {tree!r}")
+            tree = TreeConfig.parse(tree)
+            if not tree.adaptive:
+                raise UserError(f"tree must be 'auto', 'adaptive[:depth]' or a TreeConfig, got {tree!r}")
         self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path)
         if tree == "auto":
             tree = self.auto_tree() if self.drafter is not None else None
+        adapt = AdaptiveChain(self.pass_costs(), tree.depth) if tree is not None and tree.adaptive else None
         self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
-                             self.drafter, tree)
+                             self.drafter, tree, adapt)
 
     def auto_tree(self) -> TreeConfig:
-        """The tree this machine affords (`tree_for_costs` over measured pass costs), measured once per
-        model, weight mode, device and thread count, and cached."""
+        """The tree this machine affords (`tree_for_costs` over measured pass costs)."""
+        return tree_for_costs(self.pass_costs())
+
+    def pass_costs(self) -> dict[int, float]:
+        """ms of one target pass per row count, measured once per model, weight mode, device and
+        thread count, and cached."""
         key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
         path = cache_dir() / "calibration.json"
         try:
@@ -105,7 +113,7 @@ class SpecDecoder:
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(known, indent=1))
             tmp.replace(path)
-        return tree_for_costs(costs)
+        return costs
 
     # ---------------------------------------------------------------- prompts
     def encode(self, prompt: str | list[dict], chat: bool = True, system: str | None = None) -> list[int]:

@@ -79,7 +79,8 @@ def generate(prompt: str, model_gguf: Path, max_new_tokens: int, temperature: fl
     common = ["-m", str(model_gguf), "-p", prompt, "-n", str(max_new_tokens), "-c", str(ctx), "-t", str(threads),
               *_sampling(temperature, seed)]
     if draft_gguf is None:
-        out, err = _run([str(bin_dir() / PLAIN), *common, "--no-warmup", "-no-cnv", "--no-display-prompt", "--simple-io"], timeout)
+        flags = ["--no-warmup", "-no-cnv", "--no-display-prompt", "--simple-io"]
+        out, err = _run([str(bin_dir() / PLAIN), *common, *flags], timeout)
         p_ms, n_prompt = _num(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", err, "the prompt time")
         total_ms, = _num(r"total time =\s*([\d.]+) ms", err, "the total time")
         sampled, = _num(r"samplers time =\s*[\d.]+ ms /\s*(\d+) tokens", err, "the token count")

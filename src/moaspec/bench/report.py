@@ -12,6 +12,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from moaspec.decoding.tree import TreeConfig
+
 
 def load(out: Path) -> tuple[dict, dict[tuple[float, str], dict[str, dict]]]:
     from moaspec.bench.suite import answer_path, read_answers
@@ -79,8 +81,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
              f"Started {meta['started']}. Up to {cfg['max_new_tokens']} new tokens per turn; "
              f"{max((r['questions'] for r in rows if r['task'] == 'all'), default=0)} questions answered by every "
              "method. Trees: "
-             + ", ".join(f"{m} d{t['depth']}/k{t['topk']}/t{t['total_tokens']}" for m, t in meta["trees"].items()
-                         if m != "plain") + ".", ""]
+             + ", ".join(f"{m} {TreeConfig(**t).label()}" for m, t in meta["trees"].items() if m != "plain")
+             + ".", ""]
     lines += [f"- {n}" for n in meta.get("notes", [])]
     for t in cfg["temperatures"]:
         sub = [r for r in rows if r["temperature"] == t]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.target import TargetSide
-from moaspec.decoding.tree import Tree, TreeConfig
+from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig
 from moaspec.drafters.base import Drafter
 from moaspec.errors import ContextLengthError, UserError
 
@@ -76,10 +76,14 @@ class Chunk:
 
 
 class Engine:
-    def __init__(self, target: TargetSide, drafter: Drafter | None = None, tree: TreeConfig | None = None):
+    def __init__(self, target: TargetSide, drafter: Drafter | None = None, tree: TreeConfig | None = None,
+                 adapt: AdaptiveChain | None = None):
         self.target = target
         self.drafter = drafter
         self.tree = tree or TreeConfig()
+        self.adapt = adapt  # with an adaptive tree: picks each call's chain length
+        if self.tree.adaptive and adapt is None:
+            raise ValueError("an adaptive tree needs its AdaptiveChain (verify costs of this machine)")
         self.metrics = Metrics()
 
     def check(self, prompt: list[int], cfg: GenerationConfig) -> None:
@@ -105,6 +109,8 @@ class Engine:
         m.prefill_s = time.perf_counter() - t0
         if self.drafter is not None:
             self.drafter.begin(prompt, step.context)
+        if self.adapt is not None:
+            self.adapt.reset()
         new = step.verdict.new_tokens
         root = new[-1]
         while True:
@@ -128,7 +134,10 @@ class Engine:
             v = step.verdict
             if self.drafter is not None:
                 self.drafter.observe([root, *v.accepted], step.context)
-            m.draft_s += t2 - t1 + time.perf_counter() - t3
+            draft_s = t2 - t1 + time.perf_counter() - t3
+            if self.adapt is not None:
+                self.adapt.update(len(tree) - 1, len(v.accepted), draft_s, t3 - t2)
+            m.draft_s += draft_s
             m.verify_s += t3 - t2
             m.accept_lengths.append(len(v.accepted) + 1)
             new = v.new_tokens
@@ -140,6 +149,9 @@ class Engine:
         if self.drafter is None or room <= 0:
             return Tree.chain(root)
         cfg = self.tree
+        if self.adapt is not None:
+            d = self.adapt.choose()
+            cfg = TreeConfig(d, 1, d)
         if room < cfg.total_tokens or room < cfg.depth:
             cfg = replace(cfg, depth=min(cfg.depth, room), total_tokens=min(cfg.total_tokens, room))
         return self.drafter.propose(root, cfg)

@@ -25,18 +25,32 @@ class TreeConfig:
     depth: int = 4
     topk: int = 4
     total_tokens: int = 6
+    adaptive: bool = False  # a chain whose length (up to `depth`) is chosen per call: `AdaptiveChain`
 
     def __post_init__(self) -> None:
         if self.depth < 0 or self.topk < 1 or self.total_tokens < 0:
             raise UserError(f"invalid tree shape {self}: depth >= 0, topk >= 1, total_tokens >= 0")
+        if self.adaptive and (self.topk != 1 or self.total_tokens != self.depth or self.depth < 1):
+            raise UserError(f"an adaptive tree is a chain: topk 1, total_tokens = depth >= 1; got {self}")
 
     @classmethod
     def parse(cls, text: str) -> TreeConfig:
-        """ "depth,topk,total" as written on command lines."""
+        """ "depth,topk,total" as written on command lines, or "adaptive[:max depth]"."""
         try:
+            if text.startswith("adaptive"):
+                depth = int(text.partition(":")[2] or ADAPTIVE_MAX_DEPTH)
+                return cls(depth, 1, depth, adaptive=True)
             return cls(*map(int, text.split(",")))
         except (TypeError, ValueError):
-            raise UserError(f"a tree is written depth,topk,total (e.g. 3,1,3); got {text!r}") from None
+            raise UserError(f"a tree is written depth,topk,total (e.g. 3,1,3) or adaptive[:max depth]; "
+                            f"got {text!r}") from None
+
+    def label(self) -> str:
+        return f"adaptive chain <= {self.depth}" if self.adaptive else \
+            f"d{self.depth}/k{self.topk}/t{self.total_tokens}"
+
+
+ADAPTIVE_MAX_DEPTH = 8
 
 
 PAPER_GPU_TREE = TreeConfig(depth=6, topk=8, total_tokens=62)
@@ -59,6 +73,66 @@ def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.5) -> TreeConfig
     depth = min(total, PAPER_GPU_TREE.depth)
     topk = 1 if total <= depth else min(PAPER_GPU_TREE.topk, max(2, -(-total // depth)))
     return TreeConfig(depth=depth, topk=topk, total_tokens=total)
+
+
+class AdaptiveChain:
+    """Chooses before every target call how many tokens to draft in a chain: the length with the most
+    expected tokens per millisecond, from the acceptance seen so far and the costs seen so far.
+
+    Expected tokens of a d-token chain are 1 + a1 + a1*a2 + ... with a_j the chance that draft j is
+    accepted once j - 1 were, counted over this generation with a decay so that the estimate follows
+    the text (code, prose, a quoted passage); a depth with few counts leans on the rate of the depth
+    above it, so a chain that is accepted whole gets tried one longer.
+    The cost is a verify pass over d + 1 rows (the machine's calibrated cost per row count, scaled to
+    the verify time seen live, so a remote target's latency counts) plus d draft steps at their live
+    time. One draft token is the floor: it keeps acceptance measured and costs the least."""
+
+    def __init__(self, verify_ms: dict[int, float], max_depth: int = 8, decay: float = 0.95):
+        if 1 not in verify_ms:
+            raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
+        self.max_depth, self.decay = max_depth, decay
+        ks = sorted(verify_ms)
+        # relative verify cost for 1..max_depth+1 rows, linear between measured row counts
+        self.rel = []
+        for k in range(1, max_depth + 2):
+            lo = max(x for x in ks if x <= k)
+            hi = min((x for x in ks if x >= k), default=lo)
+            ms = verify_ms[lo] if hi == lo else verify_ms[lo] + (verify_ms[hi] - verify_ms[lo]) * (k - lo) / (hi - lo)
+            self.rel.append(ms / verify_ms[1])
+        self.reset()
+
+    def reset(self) -> None:
+        self.offered = [0.0] * self.max_depth
+        self.hits = [0.0] * self.max_depth
+        self.step_ms: float | None = None  # one draft step
+        self.pass_ms: float | None = None  # one single-row verify pass
+
+    def choose(self) -> int:
+        if self.step_ms is None or self.pass_ms is None:
+            return min(3, self.max_depth)  # nothing measured yet: a middle length
+        best, best_rate, expected, reach, a = 1, 0.0, 1.0, 1.0, 0.5
+        for d in range(1, self.max_depth + 1):
+            a = (self.hits[d - 1] + 2 * a) / (self.offered[d - 1] + 2)  # prior: the depth above's rate
+            reach *= a
+            expected += reach
+            rate = expected / (self.pass_ms * self.rel[d] + d * self.step_ms)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best
+
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """After a call that verified a chain of `drafted` tokens and accepted `accepted` of them."""
+        if drafted <= 0:
+            return
+        self.offered = [x * self.decay for x in self.offered]
+        self.hits = [x * self.decay for x in self.hits]
+        for j in range(min(accepted + 1, drafted)):  # draft j + 1 was looked at
+            self.offered[j] += 1
+            self.hits[j] += j < accepted
+        step, pass_ = draft_s * 1e3 / drafted, verify_s * 1e3 / self.rel[min(drafted, self.max_depth)]
+        ema = 0.8
+        self.step_ms = step if self.step_ms is None else ema * self.step_ms + (1 - ema) * step
+        self.pass_ms = pass_ if self.pass_ms is None else ema * self.pass_ms + (1 - ema) * pass_
 
 
 @dataclass
