@@ -118,7 +118,7 @@ def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights:
             dec.set_drafter(name, draft_model=draft_model, drafter_path=path, tree=tree)
             if variant == "full":
                 dec.drafter.untrim()
-            engines[f"{label} d{tree.depth}k{tree.topk}t{tree.total_tokens}"] = dec.engine
+            engines[f"{label} {tree.label()}"] = dec.engine
     cfg = GenerationConfig(max_new_tokens=new_tokens, sampling=SamplingParams(temperature=temperature, seed=0))
     rows: dict[str, dict[str, list[float]]] = {k: {"tps": [], "tau": [], "mismatch": [], "draft": [], "verify": [],
                                                    "calls": []} for k in engines}
