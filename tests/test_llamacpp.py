@@ -83,3 +83,32 @@ def test_llama_cpp_needs_a_known_model(programs, tmp_path):
         resolve_methods(BenchConfig(model=str(tmp_path), methods=("plain", "llama.cpp")))
     with pytest.raises(UserError, match="needs a draft model"):
         resolve_methods(BenchConfig(model="qwen2.5-coder-0.5b", methods=("plain", "llama.cpp-spec")))
+
+
+def test_llama_cpp_joins_the_default_methods_where_built(programs):
+    cfg = BenchConfig(model="smollm2-135m")
+    assert "llama.cpp" not in [m.name for m in resolve_methods(cfg)[0]]
+    assert any("make llama-cpp" in n for n in resolve_methods(cfg)[1])
+    _program(programs, llamacpp.PLAIN, "", PLAIN_ERR)
+    _program(programs, llamacpp.SPEC, "", SPEC_ERR)
+    names = [m.name for m in resolve_methods(cfg)[0]]
+    assert names[:3] == ["plain", "hf", "llama.cpp"] and "llama.cpp-spec" not in names  # SmolLM2 has no pair
+
+
+def test_report_reads_count_only_answers():
+    """llama.cpp reports counts, not token ids: tau comes from its target calls, and the T=0 identity
+    check leaves it out instead of counting it equal."""
+    from moaspec.bench.report import aggregate
+
+    def choice(ids, n, wall, lengths, calls):
+        return {"choices": [{"token_ids": [ids], "new_tokens": [n], "wall_time": [wall], "accept_lengths": [lengths],
+                             "target_calls": [calls]}], "category": "math"}
+
+    meta = {"methods": ["plain", "lookup", "llama.cpp-spec"], "config": {"temperatures": [0.0]}}
+    answers = {(0.0, "plain"): {"q": choice([1, 2, 3, 4], 4, 2.0, [1, 1, 1], 3)},
+               (0.0, "lookup"): {"q": choice([1, 2, 3, 4], 4, 1.0, [2, 1], 2)},
+               (0.0, "llama.cpp-spec"): {"q": choice(None, 24, 1.0, [], 9)}}
+    rows = {r["method"]: r for r in aggregate(meta, answers) if r["task"] == "all"}
+    assert rows["lookup"]["mismatched_turns"] == 0 and rows["lookup"]["speedup"] == 2.0
+    assert rows["llama.cpp-spec"]["mismatched_turns"] is None
+    assert rows["llama.cpp-spec"]["tau"] == round(24 / 9, 3) and rows["llama.cpp-spec"]["tokens_per_s"] == 24.0
