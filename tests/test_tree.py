@@ -252,16 +252,17 @@ def test_lookup_random_contexts(seed):
         assert (len(tree) > 1) == (root in context and cfg.depth > 0 and cfg.total_tokens > 0)
 
 
-def test_tree_for_costs_gpu_gets_the_paper_tree_cpu_a_short_chain():
+def test_tree_for_costs_gpu_gets_the_paper_tree_cpu_an_adaptive_chain():
     gpu = {1: 10.0, 2: 10.0, 4: 10.1, 8: 10.3, 16: 10.8, 32: 11.5, 64: 12.4}
     assert tree_for_costs(gpu) == PAPER_GPU_TREE
+    chain = TreeConfig.parse("adaptive")
     cpu = {1: 78.3, 2: 78.6, 4: 93.0, 8: 189.0, 16: 222.0, 32: 375.0}  # Qwen 0.5B fp32, measured
-    assert tree_for_costs(cpu) == TreeConfig(depth=3, topk=1, total_tokens=3)
+    assert tree_for_costs(cpu) == chain
     mid = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.5, 16: 16.0, 32: 20.0}
     t = tree_for_costs(mid)
-    assert t.total_tokens == 7 and t.depth == 6 and t.topk == 2
-    assert tree_for_costs({1: 10.0, 2: 30.0}) == TreeConfig(depth=1, topk=1, total_tokens=1)
-    assert tree_for_costs({1: 41.0, 2: 41.8, 4: 57.4, 8: 114.0}) == TreeConfig(depth=3, topk=1, total_tokens=3)
+    assert t.total_tokens == 7 and t.depth == 6 and t.topk == 2 and not t.adaptive
+    assert tree_for_costs({1: 10.0, 2: 30.0}) == chain
+    assert tree_for_costs({1: 41.0, 2: 41.8, 4: 57.4, 8: 114.0}) == chain
     with pytest.raises(ValueError):
         tree_for_costs({4: 1.0})
 

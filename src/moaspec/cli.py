@@ -147,7 +147,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
     t = p.add_argument_group("draft tree (EAGLE-2 shape); default: calibrated to this machine's verify cost "
-                             "(cached), which gives a CPU a short chain and a GPU the paper's big tree")
+                             "(cached), which gives a CPU an adaptive chain and a GPU the paper's big tree")
     t.add_argument("--depth", type=int, help=f"draft steps (fixed shape default {_TREE_DEFAULTS['depth']})")
     t.add_argument("--topk", type=int, help=f"children per expanded node (default {_TREE_DEFAULTS['topk']})")
     t.add_argument("--total-tokens", type=int,

@@ -42,7 +42,7 @@ METHODS = ("plain", *PEERS, "lookup", "model", *TRAINED_METHODS)
 # Candidate trees of the sweep: chains, small CPU trees, and the paper's GPU default for contrast.
 SWEEP_TREES = (TreeConfig(1, 1, 1), TreeConfig(2, 1, 2), TreeConfig(3, 1, 3), TreeConfig(4, 1, 4),
                TreeConfig(5, 1, 5), TreeConfig(3, 2, 4), TreeConfig(4, 2, 6), TreeConfig(4, 4, 6),
-               TreeConfig(5, 4, 8), TreeConfig(6, 4, 12), PAPER_GPU_TREE)
+               TreeConfig(5, 4, 8), TreeConfig(6, 4, 12), PAPER_GPU_TREE, TreeConfig.parse("adaptive"))
 
 
 @dataclass

@@ -62,16 +62,19 @@ def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.5) -> TreeConfig
     Verify the largest k whose pass costs at most `budget` x a single-row pass (k - 1 draft tokens):
     a drafter that gets ~60% of its tokens accepted turns a 3-token chain into ~2.2 tokens per call,
     so extra rows pay as long as they cost less than ~1.5 steps. A GPU (flat cost up to 64 rows) gets
-    the paper's big tree; a memory-bound CPU (cost rising from ~4 rows) a short chain."""
+    the paper's big tree. A memory-bound CPU, where rows past a few cost visibly more, affords only a
+    chain; how long a chain pays then hangs on the drafter's acceptance on the text at hand, which
+    only the live run knows, so it gets an adaptive chain (`AdaptiveChain`: measured 1.0-1.1x the
+    best fixed chain length for lookup, EAGLE-2 and MoA on Qwen 0.5B)."""
     if 1 not in cost_ms:
         raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
     ref = min(ms for k, ms in cost_ms.items() if k <= 2)  # 1 row may run padded to 2 (models/linear.py)
     rows = max(k for k, ms in cost_ms.items() if ms <= budget * ref)
     total = min(rows - 1, PAPER_GPU_TREE.total_tokens)
-    if total <= 0:
-        return TreeConfig(depth=1, topk=1, total_tokens=1)
-    depth = min(total, PAPER_GPU_TREE.depth)
-    topk = 1 if total <= depth else min(PAPER_GPU_TREE.topk, max(2, -(-total // depth)))
+    if total <= PAPER_GPU_TREE.depth:
+        return TreeConfig(ADAPTIVE_MAX_DEPTH, 1, ADAPTIVE_MAX_DEPTH, adaptive=True)
+    depth = PAPER_GPU_TREE.depth
+    topk = min(PAPER_GPU_TREE.topk, max(2, -(-total // depth)))
     return TreeConfig(depth=depth, topk=topk, total_tokens=total)
 
 
