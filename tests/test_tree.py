@@ -10,6 +10,7 @@ import torch
 from moaspec.decoding.tree import PAPER_GPU_TREE, AdaptiveChain, Tree, TreeConfig, grow_tree, tree_for_costs
 from moaspec.drafters.lookup import LookupDrafter
 from moaspec.errors import UserError
+from moaspec.pipeline import plausible_costs
 
 
 # --------------------------------------------------------------------------- Tree
@@ -269,14 +270,29 @@ def test_tree_for_costs_gpu_gets_the_paper_tree_cpu_an_adaptive_chain():
 
 def test_auto_tree_is_measured_once_and_cached(dec_none, tmp_path, monkeypatch):
     monkeypatch.setenv("MOASPEC_HOME", str(tmp_path))
-    calls = []
-    real = dec_none.target.pass_costs
-    monkeypatch.setattr(dec_none.target, "pass_costs", lambda: calls.append(1) or real(ks=(1, 2, 4), reps=1))
-    first = dec_none.auto_tree()
-    assert dec_none.auto_tree() == first and len(calls) == 1
-    (tmp_path / "calibration.json").write_text("{not json")
-    assert dec_none.auto_tree().total_tokens >= 1 and len(calls) == 2
+    assert dec_none.target.pass_costs(ks=(1, 2), reps=1).keys() == {1, 2}
     assert dec_none.target.length == 0  # calibration leaves the cache empty
+    calls = []
+    gpu = {1: 10.0, 2: 10.0, 4: 10.1, 8: 10.3, 16: 10.8, 32: 11.5, 64: 12.4}
+    monkeypatch.setattr(dec_none.target, "pass_costs", lambda: calls.append(1) or dict(gpu))
+    assert dec_none.auto_tree() == PAPER_GPU_TREE
+    assert dec_none.auto_tree() == PAPER_GPU_TREE and len(calls) == 1
+    (tmp_path / "calibration.json").write_text("{not json")
+    assert dec_none.auto_tree() == PAPER_GPU_TREE and len(calls) == 2
+
+
+def test_disturbed_calibration_is_measured_again_and_never_cached(dec_none, tmp_path, monkeypatch):
+    """Two threads sharing a core with other work measured SmolLM2's 2-row pass at 30x its 1-row pass;
+    such costs are re-measured, not cached, and capped at linear growth if they stay implausible."""
+    monkeypatch.setenv("MOASPEC_HOME", str(tmp_path))
+    disturbed = {1: 27.0, 2: 798.5, 4: 3211.9, 8: 3488.1}
+    calls = []
+    monkeypatch.setattr(dec_none.target, "pass_costs", lambda: calls.append(1) or dict(disturbed))
+    assert dec_none.pass_costs() == {1: 27.0, 2: 27.0 * 2.5, 4: 27.0 * 2.5 ** 2, 8: 27.0 * 2.5 ** 3}
+    assert len(calls) == 2 and not (tmp_path / "calibration.json").exists()
+    assert plausible_costs({1: 10.0, 2: 10.0, 4: 11.0, 8: 20.0}) == {1: 10.0, 2: 10.0, 4: 11.0, 8: 20.0}
+    with pytest.raises(ValueError, match="implausible"):
+        plausible_costs(disturbed)
 
 
 def _drive(chain: AdaptiveChain, calls: int, accept: float, step_ms: float = 1.0, pass_ms: float = 10.0) -> list[int]:

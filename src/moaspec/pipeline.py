@@ -26,6 +26,24 @@ from moaspec.models.runtime import Transformer
 from moaspec.models.store import cache_dir, resolve
 
 
+def plausible_costs(costs: dict[int, float], clamp: bool = False) -> dict[int, float]:
+    """Pass costs as measured, if they can be real: a pass over more rows streams the same weights,
+    so its cost grows at most about linearly with the rows. Costs that grow faster were measured
+    under other load (two threads on a shared core wait on each other): ValueError, or with `clamp`
+    each cost capped at linear growth from the row count before it."""
+    out, prev = {}, None
+    for k in sorted(costs):
+        cap = None if prev is None else out[prev] * 1.25 * k / prev
+        if cap is not None and costs[k] > cap:
+            if not clamp:
+                raise ValueError(f"implausible pass costs (disturbed measurement): {costs}")
+            out[k] = cap
+        else:
+            out[k] = costs[k]
+        prev = k
+    return out
+
+
 def load_tokenizer(folder: Path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
@@ -106,14 +124,21 @@ class SpecDecoder:
             known = {}
         known = known if isinstance(known, dict) else {}
         try:
-            costs = {int(k): float(v) for k, v in known[key].items()}
+            return plausible_costs({int(k): float(v) for k, v in known[key].items()})
         except (KeyError, AttributeError, TypeError, ValueError):
-            costs = known[key] = self.target.pass_costs()
+            pass
+        for _ in range(2):
+            costs = self.target.pass_costs()
+            try:
+                known[key] = plausible_costs(costs)
+            except ValueError:  # disturbed by other load: measure again, and never cache it
+                continue
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(known, indent=1))
             tmp.replace(path)
-        return costs
+            return costs
+        return plausible_costs(costs, clamp=True)
 
     # ---------------------------------------------------------------- prompts
     def encode(self, prompt: str | list[dict], chat: bool = True, system: str | None = None) -> list[int]:

@@ -288,19 +288,18 @@ class Transformer:
         ks = tuple(k for k in ks if context + k <= self.max_seq_len)
         self.forward(torch.zeros(context, dtype=torch.long, device=self.device))
         self.advance(context)
-        out = {}
-        for k in ks:
-            toks = torch.full((k,), 100, dtype=torch.long, device=self.device)
-            times = []
-            for _ in range(reps + 1):  # the first run warms the kernels up
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        for rep in range(reps + 1):  # rounds over every k, so a burst of other load hits all k alike
+            for k in ks:
+                toks = torch.full((k,), 100, dtype=torch.long, device=self.device)
                 t = time.perf_counter()
                 self.forward(toks)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            out[k] = min(times[1:]) * 1e3  # the least-disturbed run: other load only ever adds time
+                if rep:  # round 0 warms the kernels up
+                    times[k].append(time.perf_counter() - t)
         self.reset()
-        return out
+        return {k: min(v) * 1e3 for k, v in times.items()}  # least disturbed: other load only adds time
 
     def num_parameters(self) -> int:
         return sum(t.numel() for t in (self.embed, self.norm)) + sum(
