@@ -39,7 +39,8 @@ def test_bench_runs_resumes_and_reports(tmp_path):
     assert len(choice["turns"]) == 2 and len(choice["new_tokens"]) == 2 and len(choice["wall_time"]) == 2
     # the prefill gives the first token; each target call then emits its accepted tokens + 1
     assert all(1 + sum(a) >= n for a, n in zip(choice["accept_lengths"], choice["new_tokens"], strict=True))
-    assert mt["model_id"] == f"{SMOL}:moa" and mt["tree"] == {"depth": 3, "topk": 1, "total_tokens": 3}
+    assert mt["model_id"] == f"{SMOL}:moa"
+    assert mt["tree"] == {"depth": 3, "topk": 1, "total_tokens": 3, "adaptive": False}
     text = path.read_text()
     assert "| moa |" in text and "## T = 1" in text
 
