@@ -103,9 +103,13 @@ class SpecDecoder:
             if not tree.adaptive:
                 raise UserError(f"tree must be 'auto', 'adaptive[:depth]' or a TreeConfig, got {tree!r}")
         self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path)
+        costs = None
         if tree == "auto":
-            tree = self.auto_tree() if self.drafter is not None else None
-        adapt = AdaptiveChain(self.pass_costs(), tree.depth) if tree is not None and tree.adaptive else None
+            costs = self.pass_costs() if self.drafter is not None else None
+            tree = tree_for_costs(costs) if costs is not None else None
+        adapt = None
+        if tree is not None and tree.adaptive:
+            adapt = AdaptiveChain(costs if costs is not None else self.pass_costs(), tree.depth)
         self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
                              self.drafter, tree, adapt)
 

@@ -1,6 +1,6 @@
 """llama.cpp as a benchmark peer: its plain decoding (`llama-completion`) and its speculative
 decoding with a draft model (`llama-speculative-simple`, llama.cpp's own defaults), on the GGUF
-files our models ship as (Q4/Q8 weights, where we run de-quantised fp32 or fp16).
+files our models ship as (quantised weights, which we run de-quantised to fp32 or fp16).
 
 The programs are built from the llama.cpp that llama-cpp-python vendors (`make llama-cpp`, about
 5 minutes) into ``~/.cache/moaspec/llama.cpp/build/bin``; ``$MOASPEC_LLAMA_CPP`` points elsewhere.
@@ -19,7 +19,6 @@ from pathlib import Path
 from moaspec.errors import UserError
 from moaspec.models.store import cache_dir
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp `make llama-cpp` builds
 PLAIN, SPEC = "llama-completion", "llama-speculative-simple"
 
 

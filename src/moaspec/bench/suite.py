@@ -109,9 +109,12 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
                 continue
             out.append(Method(n, drafter_kind(n), str(folder)))
             continue
-        if n.startswith("llama.cpp") and (why := llamacpp.missing() or (
-                None if cfg.model in MODELS else f"it reads the shipped GGUF of a known model, not {cfg.model}")):
-            raise UserError(f"method {n}: {why}")
+        if n.startswith("llama.cpp"):
+            why = llamacpp.missing()
+            if why is None and cfg.model not in MODELS:
+                why = f"it reads the shipped GGUF of a known model, not {cfg.model}"
+            if why:
+                raise UserError(f"method {n}: {why}")
         if n in ("model", "hf-assisted", "llama.cpp-spec"):
             draft = DEFAULT_DRAFT_MODEL.get(cfg.model)
             if draft is None or draft == cfg.model:
@@ -159,6 +162,7 @@ class Bench:
             self.trees[m.name] = self.dec.engine.tree
         self._hf = None
         self._assistant = None
+        self._ggufs: dict[str, Path] = {}
 
     def _tree(self) -> TreeConfig | str:
         return "auto" if self.cfg.tree in ("auto", "sweep") else TreeConfig.parse(self.cfg.tree)
@@ -195,12 +199,18 @@ class Bench:
     def _llama_cpp(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
         """llama.cpp on the same rendered prompt (special tokens kept as text, which it parses back)."""
         prompt = self.dec.tokenizer.decode(ids, skip_special_tokens=False)
-        draft = gguf_file(method.draft_model) if method.draft_model else None
-        a = llamacpp.generate(prompt, gguf_file(self.cfg.model), gen.max_new_tokens, gen.sampling.temperature,
+        draft = self._gguf(method.draft_model) if method.draft_model else None
+        a = llamacpp.generate(prompt, self._gguf(self.cfg.model), gen.max_new_tokens, gen.sampling.temperature,
                               gen.sampling.seed or 0, draft_gguf=draft, threads=torch.get_num_threads())
         calls = a.new_tokens - a.accepted if draft else a.new_tokens
         return TurnResult(a.text, None, a.prompt_s + a.decode_s, prefill_s=a.prompt_s, new_tokens=a.new_tokens,
                           target_calls=calls)
+
+    def _gguf(self, model: str) -> Path:
+        """The checked GGUF of a model, looked up once per run (the lookup reads package metadata)."""
+        if model not in self._ggufs:
+            self._ggufs[model] = gguf_file(model)
+        return self._ggufs[model]
 
     def _peer(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
         from transformers import AutoModelForCausalLM
