@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from moaspec.bench import tasks as bench
-from moaspec.bench.tasks import TASKS, Question, check_clean, load_tasks, training_prompts
+from moaspec.bench.tasks import TASKS, Question, check_clean, load_tasks
 from moaspec.errors import UserError
 from moaspec.training import prompts as training
+from moaspec.training.data import texts
 
-DATA_DIRS = sorted(p.parent for p in (Path(__file__).parents[1] / "data").glob("*/train.jsonl"))
+DATA_DIRS = sorted(p.parent for p in (Path(__file__).parents[1] / "data").glob("*/manifest.json"))
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +65,16 @@ def test_synthesised_sets_avoid_the_training_templates(questions):
     assert not check_clean(by_task(questions, "math") + by_task(questions, "instruction"), synthetic)
 
 
-def test_no_question_overlaps_the_committed_training_prompts(questions):
-    assert DATA_DIRS, "no committed data/*/train.jsonl"
-    texts = training_prompts(DATA_DIRS)
-    assert len(texts) > 100
-    assert check_clean(questions, texts) == []
-    # the check can fail: a question that quotes eight words of a training prompt, or repeats one, is flagged
-    eight = " ".join(texts[0].split()[:8])
+def test_no_question_overlaps_the_committed_training_data(questions):
+    assert DATA_DIRS, "no committed data folder"
+    sample = [t for folder in DATA_DIRS for t in texts(folder)]
+    assert len(sample) > 1000
+    assert check_clean(questions, sample) == []
+    # the check can fail: a question that quotes eight words of a training text, or repeats one, is flagged
+    eight = " ".join(sample[0].split()[:8])
     leaky = [Question("leak-0", "qa", [f"Please answer this: {eight} and more."], "test"),
-             Question("leak-1", "mtbench", ["Hello there.", texts[-1].upper()], "test"), questions[0]]
-    assert check_clean(leaky, texts) == ["leak-0", "leak-1"]
+             Question("leak-1", "mtbench", ["Hello there.", sample[-1].upper()], "test"), questions[0]]
+    assert check_clean(leaky, sample) == ["leak-0", "leak-1"]
 
 
 def test_unknown_task_and_bad_folders_are_user_errors(tmp_path):
@@ -81,5 +82,5 @@ def test_unknown_task_and_bad_folders_are_user_errors(tmp_path):
         load_tasks(["math", "nope"], None)
     with pytest.raises(UserError):
         load_tasks(["math"], 0)
-    with pytest.raises(UserError, match="train.jsonl"):
-        training_prompts([tmp_path])
+    with pytest.raises(UserError, match="moaspec data"):
+        list(texts(tmp_path))

@@ -7,9 +7,11 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from moaspec.drafters import moa
 from moaspec.errors import UserError
+from moaspec.training import data as D
 from moaspec.training import prompts as P
 from moaspec.training.train import TrainConfig, Trainer, export, lr_at, student_specs, top_vocab
 
@@ -36,19 +38,50 @@ def test_prompts_reproducible_from_seed():
 
 
 def test_shipped_training_data_is_clean():
-    """The committed self-distillation data: manifest counts match, no eval prompt leaked in."""
+    """The committed data folders: the manifest counts what the shards hold, ids are unique, and no
+    sequence (prompt or answer) shares an 8-gram with a benchmark prompt."""
     sets = sorted(DATA.glob("*/manifest.json"))
-    if not sets:
-        pytest.skip("no committed data set")
+    assert sets, "no committed data set"
     check = P.Contamination(P.eval_texts())
     for manifest in sets:
         m = json.loads(manifest.read_text())
-        rows = {s: [json.loads(x) for x in (manifest.parent / f"{s}.jsonl").read_text().splitlines()]
-                for s in ("train", "val")}
-        assert len(rows["train"]) == m["train"] and len(rows["val"]) == m["val"]
-        ids = [r["id"] for s in rows.values() for r in s]
-        assert len(ids) == len(set(ids)), "train/val overlap or duplicates"
-        assert not any(check(r["prompt"]) for s in rows.values() for r in s)
+        rows = D.load(manifest.parent)
+        assert m["version"] == D.DATA_VERSION and sum(len(r.ids) for r in rows) == m["tokens"]
+        assert len({r.id for r in rows}) == len(rows), "duplicate sequence ids"
+        assert all(0 < r.prompt_len < len(r.ids) for r in rows)
+        assert not [t for t in D.texts(manifest.parent) if check(t)]
+
+
+def test_shards_round_trip_and_corrupt_shards_are_refused(tmp_path):
+    rows = [D.Sequence("a", "text-code", [1, 2, 3, 70000], 2),
+            D.Sequence("b", "synth-math", [5, 6], 1, False, "greedy")]
+    D.write_shard(tmp_path / "gen-00000.npz", rows)
+    assert list(D.read_shard(tmp_path / "gen-00000.npz")) == rows
+    (tmp_path / "gen-00001.npz").write_bytes(b"not a shard")
+    with pytest.raises(UserError, match="delete it"):
+        list(D.read_shard(tmp_path / "gen-00001.npz"))
+
+
+def test_data_builder_resumes_without_duplicates(tmp_path):
+    """Text and generated answers (transformers, tiny answers), then a larger goal: the first shards
+    stay as they were and nothing is written twice."""
+    cfg = D.DataConfig(model="smollm2-135m", tokens=3000, text_fraction=0.5, prompts=40, max_new_tokens=12,
+                       engine="transformers", parallel=4, shard_tokens=800)
+    first = D.Builder(cfg, tmp_path).run()
+    folder = tmp_path / cfg.folder_name()
+    before = {p.name: p.read_bytes() for p in D.shards(folder)}
+    assert first["sources"]["gen"]["train_sequences"] + first["sources"]["gen"].get("val_sequences", 0) > 0
+    assert first["tokens"] >= 3000 and first["complete"]
+    cfg.tokens = 5000
+    second = D.Builder(cfg, tmp_path).run()
+    assert all((folder / name).read_bytes() == data for name, data in before.items())
+    ids = [r.id for r in D.load(folder)]
+    assert len(ids) == len(set(ids)) and second["tokens"] >= 5000
+    rows = D.load(folder)
+    assert {r.mode for r in rows} >= {"text"} and any(r.mode in ("greedy", "sampled") for r in rows)
+    cfg.seed = 1
+    with pytest.raises(UserError, match="pick another --out"):
+        D.Builder(D.DataConfig(model="smollm2-135m", prompts=41), tmp_path)
 
 
 def test_lr_schedule_warms_up_then_decays():
@@ -59,12 +92,18 @@ def test_lr_schedule_warms_up_then_decays():
 
 
 def _slice(tmp_path: Path, n_train: int, n_val: int) -> Path:
-    sets = sorted(DATA.glob("smollm2-135m-*/train.jsonl"))
+    """A small data folder cut from the committed SmolLM2 data: n_train training and n_val validation
+    sequences, generated answers first."""
+    sets = sorted(DATA.glob("smollm2-135m-*/manifest.json"))
     if not sets:
         pytest.skip("no committed SmolLM2 data set")
-    lines = sets[0].read_text().splitlines()
-    (tmp_path / "train.jsonl").write_text("\n".join(lines[:n_train]) + "\n")
-    (tmp_path / "val.jsonl").write_text("\n".join(lines[n_train:n_train + n_val]) + "\n")
+    src = sets[0].parent
+    rows = sorted(D.load(src), key=lambda r: (r.mode == "text", r.id))
+    cfg = json.loads((src / "config.json").read_text())
+    train = [r for r in rows if not D.is_val(r.id, cfg["val_fraction"])][:n_train]
+    val = [r for r in rows if D.is_val(r.id, cfg["val_fraction"])][:n_val]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    D.write_shard(tmp_path / "gen-00000.npz", train + val)
     return tmp_path
 
 
@@ -106,23 +145,48 @@ def test_student_specs():
 def test_training_resumes_and_is_deterministic(tmp_path):
     data = _slice(tmp_path, 8, 2)
 
-    def run(out: str, steps: int, resume: bool = True) -> dict:
-        cfg = TrainConfig(data=str(data), out=str(tmp_path / out), steps=steps, batch_size=1, max_len=64,
-                          vocab_ids=1024, warmup=1, val_every=1000, save_every=2, val_sequences=2, seed=3)
+    def run(out: str, until: int | None = None) -> dict:
+        cfg = TrainConfig(data=str(data), out=str(tmp_path / out), steps=5, batch_size=1, max_len=64,
+                          vocab_ids=1024, warmup=1, val_every=1000, save_every=1000, val_sequences=2, seed=3)
         tr = Trainer(cfg)
-        tr.run(resume=resume)
+        tr.run(until=until)
         return {k: v.clone() for k, v in tr.drafter.trainable_state_dict().items()}
 
-    straight = run("a", 4)
-    run("b", 2)
-    resumed = run("b", 4)
+    straight = run("a")
+    run("b", until=2)
+    resumed = run("b")
     assert all((straight[k] - resumed[k]).abs().max() < 1e-5 for k in straight)
 
 
 def test_top_vocab_keeps_most_frequent():
     from moaspec.training.train import Example
 
-    ex = [Example([5, 5, 5, 7, 7, 9], 1)]
+    ex = [Example([5, 5, 5, 7, 7, 9], 1, answer_from_target=True)]
     ids = top_vocab(ex, 3, 20).tolist()
     assert ids == [5, 7, 9]
     assert top_vocab(ex, 5, 20).tolist() == [0, 1, 5, 7, 9]
+    # the target's own answers rank first: 11 fills the text, but 9 and 7 are what the target writes
+    ex.append(Example([11] * 9 + [12], 1))
+    assert top_vocab(ex, 3, 20).tolist() == [5, 7, 9]
+
+
+def test_feature_cache_computes_once_and_matches_the_target(tmp_path):
+    from moaspec.models.runtime import Transformer
+    from moaspec.models.store import resolve
+    from moaspec.training.features import FeatureCache, compute
+
+    target = Transformer(resolve("smollm2-135m"), max_seq_len=64)
+    seqs = [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
+    L = target.cfg.num_layers
+    cache = FeatureCache(target, "fp", seqs, (L - 1, L), greedy=True, root=tmp_path)
+    got = cache.get(1)
+    want = compute(target, seqs[1], (L - 1, L), greedy=True)
+    assert cache.computed_tokens == 3 and cache.done.tolist() == [False, True]
+    assert (got.K - want.K).abs().max() < 1e-2 * want.K.abs().max() and torch.equal(got.argmax, want.argmax)
+    assert (got.hidden[L] - want.hidden[L]).abs().max() < 1e-2 * want.hidden[L].abs().max()
+    cache.flush()
+    again = FeatureCache(target, "fp", seqs, (L - 1, L), greedy=True, root=tmp_path)  # a later run
+    assert again.done.tolist() == [False, True]
+    assert torch.equal(again.get(1).K, got.K) and again.computed_tokens == 0
+    other = FeatureCache(target, "fp", [[1, 2, 3]], (L,), greedy=False, root=tmp_path)
+    assert other.folder != cache.folder

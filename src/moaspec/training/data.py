@@ -1,144 +1,358 @@
-"""Self-distillation data: the target answers the training prompts (greedy and sampled).
+"""Training data as compact token ids, versioned and resumable: the target's own answers to diverse
+prompts, and existing text that ships on the machine.
 
-Decoding is memory-bound on this CPU, so a batch of 16 sequences costs little more than one:
-generation runs batched through transformers `generate` (left padding). Results are appended per
-batch to `responses.jsonl`, so a stopped job resumes where it stopped; `finalise` writes the
-deduplicated train/validation split and a manifest (counts, tokens, wall time, seed, version).
+Two sources, one format:
+- "gen": prompts of the kinds the target serves (prompts.py, drawn in a random order), answered by
+  the fastest engine available (generators.py: llama.cpp's batched server, else transformers), up to
+  `max_new_tokens` so that answers end on their own; half greedy, half sampled.
+- "text": source code and documentation of the installed packages (corpus.py) as the assistant's
+  turn of a chat, so that the drafter sees the target's chat format; no generation at all.
+Labels never come from here: the fp32 target's own pass over each sequence gives them at training
+time (teacher forcing), so an approximate generator costs nothing in correctness.
+
+A data folder holds `config.json`, `manifest.json` (counts, tokens, seconds, throughput) and shards
+`<source>-NNNNN.npz` (token ids as uint32, offsets, prompt lengths, ids, kinds, whether the answer
+ended on its own). A shard is written once and never changed, so a stopped job resumes by skipping
+the ids it already holds, and git keeps the history. Train and validation split by a hash of the id.
+Every sequence is checked for word 8-gram overlap with the six benchmark sets before it is kept.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import torch
+import numpy as np
 from tqdm import tqdm
 
+from moaspec.contamination import Contamination
+from moaspec.errors import UserError
 from moaspec.models.store import resolve, weights_fingerprint
-from moaspec.training.prompts import Prompt, build_prompts
+from moaspec.training import corpus
+from moaspec.training.prompts import Prompt, build_prompts, eval_texts
 
-DATA_VERSION = 1
+DATA_VERSION = 2
+SOURCES = ("gen", "text")
 
 
 @dataclass
 class DataConfig:
     model: str = "smollm2-135m"
-    prompts: int = 2000
+    tokens: int = 1_000_000  # distinct tokens to reach (prompts and answers, both sources)
+    text_fraction: float = 0.5  # share of `tokens` from existing text
+    prompts: int = 30_000  # the pool of prompts drawn from; generation stops at the token goal
     seed: int = 0
-    batch_size: int = 16
-    max_new_tokens: int = 256
+    max_new_tokens: int = 1024
+    max_prompt_tokens: int = 768
+    text_chunk_chars: int = 2400  # ~600-800 tokens of code or prose per text sequence
     sampled_fraction: float = 0.5  # the rest is greedy
     temperature: float = 0.7
-    val_fraction: float = 0.05
+    val_fraction: float = 0.02
+    engine: str = "auto"  # "llama.cpp", "transformers" or "auto" (llama.cpp where built)
+    parallel: int = 8  # requests decoded together
+    threads: int = 1
+    shard_tokens: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or not 0.0 <= self.text_fraction <= 1.0 or self.max_new_tokens < 1:
+            raise UserError(f"bad data config: tokens {self.tokens} >= 1, text_fraction {self.text_fraction} "
+                            f"in [0, 1], max_new_tokens {self.max_new_tokens} >= 1")
+        if self.engine not in ("auto", "llama.cpp", "transformers"):
+            raise UserError(f"unknown engine {self.engine!r}; choose auto, llama.cpp or transformers")
 
     def folder_name(self) -> str:
         return f"{self.model}-v{DATA_VERSION}-seed{self.seed}"
 
 
-def _is_val(pid: str, fraction: float) -> bool:
-    return int(hashlib.sha1(pid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+@dataclass
+class Sequence:
+    id: str
+    kind: str  # prompt kind ("code-explain", "synth-math", ...) or "text-code" / "text-doc"
+    ids: list[int]
+    prompt_len: int
+    finished: bool = True  # the answer ended on its own (always true for text)
+    mode: str = "text"  # "greedy", "sampled" or "text"
 
 
-def generate(cfg: DataConfig, out_root: Path, time_budget_s: float | None = None) -> Path:
-    """Generate (or resume) the data set; returns its folder."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def is_val(sid: str, fraction: float) -> bool:
+    return int(hashlib.sha1(sid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
 
-    out = Path(out_root) / cfg.folder_name()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-    done_path = out / "responses.jsonl"
-    done = set()
-    if done_path.exists():
-        done = {json.loads(line)["id"] for line in done_path.read_text().splitlines() if line.strip()}
-    prompts = build_prompts(cfg.prompts, cfg.seed)
-    rng = random.Random(cfg.seed)
-    modes = {p.id: ("sampled" if rng.random() < cfg.sampled_fraction else "greedy") for p in prompts}
-    todo = [p for p in prompts if p.id not in done]
-    folder = resolve(cfg.model)
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
-    def encode(p: Prompt) -> list[int]:
-        ids = tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                      tokenize=True)
+# ---------------------------------------------------------------- shards
+def write_shard(path: Path, rows: list[Sequence]) -> None:
+    lengths = np.array([len(r.ids) for r in rows], dtype=np.int64)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez_compressed(
+        tmp, tokens=np.fromiter((t for r in rows for t in r.ids), dtype=np.uint32, count=int(lengths.sum())),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]), prompt_len=np.array([r.prompt_len for r in rows], np.int32),
+        ids=np.array([r.id for r in rows]), kinds=np.array([r.kind for r in rows]),
+        modes=np.array([r.mode for r in rows]), finished=np.array([r.finished for r in rows]))
+    tmp.replace(path)
+
+
+def read_shard(path: Path) -> Iterator[Sequence]:
+    try:
+        with np.load(path) as z:
+            tokens, off = z["tokens"], z["offsets"]
+            for i, (sid, kind, mode) in enumerate(zip(z["ids"], z["kinds"], z["modes"], strict=True)):
+                yield Sequence(str(sid), str(kind), tokens[off[i]:off[i + 1]].tolist(), int(z["prompt_len"][i]),
+                               bool(z["finished"][i]), str(mode))
+    except (OSError, KeyError, ValueError) as e:
+        raise UserError(f"{path} is not a readable data shard ({e}): delete it and rerun `moaspec data`") from None
+
+
+def shards(folder: Path, source: str | None = None) -> list[Path]:
+    return sorted(p for p in Path(folder).glob(f"{source or '*'}-*.npz") if not p.name.endswith(".tmp.npz"))
+
+
+def load(folder: str | Path, split: str | None = None, val_fraction: float | None = None) -> list[Sequence]:
+    """Every sequence of a data folder, or those of one split ("train" or "val")."""
+    folder = Path(folder)
+    if not shards(folder):
+        raise UserError(f"no training data in {folder}: run `moaspec data --model MODEL --out {folder.parent}` first")
+    if val_fraction is None:
+        val_fraction = json.loads((folder / "config.json").read_text())["val_fraction"]
+    rows = [r for p in shards(folder) for r in read_shard(p)]
+    if split is None:
+        return rows
+    if split not in ("train", "val"):
+        raise ValueError(f"split is train or val, not {split!r}")
+    return [r for r in rows if is_val(r.id, val_fraction) == (split == "val")]
+
+
+class ShardWriter:
+    """Buffers sequences of one source and writes a new shard every `shard_tokens` tokens."""
+
+    def __init__(self, folder: Path, source: str, shard_tokens: int):
+        self.folder, self.source, self.shard_tokens = folder, source, shard_tokens
+        self.rows: list[Sequence] = []
+
+    def add(self, row: Sequence) -> None:
+        self.rows.append(row)
+        if sum(len(r.ids) for r in self.rows) >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            n = len(shards(self.folder, self.source))
+            write_shard(self.folder / f"{self.source}-{n:05d}.npz", self.rows)
+            self.rows = []
+
+
+# ---------------------------------------------------------------- building
+class Builder:
+    def __init__(self, cfg: DataConfig, out_root: Path):
+        from moaspec.pipeline import load_tokenizer
+
+        self.cfg = cfg
+        self.out = Path(out_root) / cfg.folder_name()
+        self.out.mkdir(parents=True, exist_ok=True)
+        saved = self.out / "config.json"
+        if saved.exists():
+            old = json.loads(saved.read_text())
+            fixed = ("model", "seed", "val_fraction", "prompts")
+            if any(old.get(k) != getattr(cfg, k) for k in fixed):
+                raise UserError(f"{self.out} was built with {', '.join(f'{k}={old.get(k)}' for k in fixed)}: "
+                                "resume it with those settings or pick another --out")
+        saved.write_text(json.dumps(asdict(cfg), indent=1))
+        self.folder = resolve(cfg.model)
+        self.tok = load_tokenizer(self.folder)
+        eos = self.tok.convert_tokens_to_ids("<|im_end|>")
+        self.eos = eos if isinstance(eos, int) and eos >= 0 and eos != self.tok.unk_token_id else \
+            self.tok.eos_token_id
+        self.check = Contamination(eval_texts())
+        self.done = {r.id for p in shards(self.out) for r in read_shard(p)}
+
+    def chat(self, user: str, assistant: str | None = None) -> list[int]:
+        msgs = [{"role": "user", "content": user}]
+        if assistant is None:
+            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        else:
+            ids = self.tok.apply_chat_template([*msgs, {"role": "assistant", "content": assistant}], tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    encoded = {p.id: encode(p) for p in todo}
-    eos_ids = model.generation_config.eos_token_id
-    eos = set(eos_ids if isinstance(eos_ids, list) else [eos_ids])
-    per_mode = []
-    for mode in ("greedy", "sampled"):
-        group = sorted((p for p in todo if modes[p.id] == mode), key=lambda p: len(encoded[p.id]))
-        per_mode.append([(mode, group[i:i + cfg.batch_size]) for i in range(0, len(group), cfg.batch_size)])
-    # alternate greedy and sampled batches, so that a job stopped early still holds both kinds
-    batches = [b for pair in itertools.zip_longest(*per_mode) for b in pair if b is not None]
-    t0 = time.time()
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distillation", unit="prompt")
-    new_tokens = 0
-    with done_path.open("a") as f:
-        for b, (mode, batch) in enumerate(batches):
-            if time_budget_s is not None and time.time() - t0 > time_budget_s:
+    def tokens_of(self, source: str) -> int:
+        return sum(len(r.ids) for p in shards(self.out, source) for r in read_shard(p))
+
+    # -------------------------------------------------------------- text
+    def text_sequences(self, rng: random.Random) -> Iterator[Sequence]:
+        """Chunks of code and documentation files, at most 3 per file, taking the packages in turn
+        (so that transformers' 3000 files do not crowd out the rest) in a seeded random order."""
+        groups: dict[str, list[corpus.Source]] = {}
+        for src in [*corpus.code_files(), *corpus.doc_files()]:
+            groups.setdefault(f"{src.kind}:{src.name.split('/')[0]}", []).append(src)
+        for g in groups.values():
+            rng.shuffle(g)
+        order = sorted(groups)
+        rng.shuffle(order)
+        files = [g[i] for i in range(max(map(len, groups.values()))) for g in (groups[k] for k in order)
+                 if i < len(g)]
+        asks = {"code": ["Show the source of `{name}`{part}.", "Print the Python file `{name}`{part}.",
+                         "What does `{name}` contain{part}? Show the code."],
+                "doc": ["Show the documentation page `{name}`{part}.", "Print the text of `{name}`{part}."]}
+        used: set[str] = set()
+        for src in files:
+            if src.name in used:
+                continue
+            used.add(src.name)
+            text = corpus.read(src)
+            if not text:
+                continue
+            parts = corpus.chunks(text, self.cfg.text_chunk_chars)
+            for i in sorted(rng.sample(range(len(parts)), min(3, len(parts)))):
+                body = parts[i]
+                sid = f"text-{src.kind}-" + hashlib.sha1(f"{src.name}#{i}".encode()).hexdigest()[:12]
+                if sid in self.done or self.check(body):
+                    continue
+                part = f" (part {i + 1} of {len(parts)})" if len(parts) > 1 else ""
+                user = rng.choice(asks[src.kind]).format(name=src.name, part=part)
+                answer = f"```python\n{body}\n```" if src.kind == "code" else body
+                prompt = self.chat(user)
+                ids = self.chat(user, answer)
+                if ids[:len(prompt)] != prompt:  # a template that rewrites history: keep the prompt rows apart
+                    continue
+                yield Sequence(sid, f"text-{src.kind}", ids, len(prompt))
+
+    def build_text(self, goal: int) -> None:
+        have = self.tokens_of("text")
+        if have >= goal:
+            return
+        writer = ShardWriter(self.out, "text", self.cfg.shard_tokens)
+        bar = tqdm(total=goal, initial=have, desc="text", unit="tok", unit_scale=True)
+        for seq in self.text_sequences(random.Random(f"text-{self.cfg.seed}")):
+            writer.add(seq)
+            have += len(seq.ids)
+            bar.update(len(seq.ids))
+            if have >= goal:
                 break
-            width = max(len(encoded[p.id]) for p in batch)
-            ids = torch.tensor([[tok.pad_token_id] * (width - len(encoded[p.id])) + encoded[p.id] for p in batch])
-            mask = torch.tensor([[0] * (width - len(encoded[p.id])) + [1] * len(encoded[p.id]) for p in batch])
-            torch.manual_seed(cfg.seed * 100003 + b)
-            with torch.inference_mode():
-                gen = model.generate(ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                     do_sample=mode == "sampled", temperature=cfg.temperature if mode == "sampled"
-                                     else None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
-            for p, row in zip(batch, gen[:, width:].tolist(), strict=True):
-                cut = next((i for i, t in enumerate(row) if t in eos), len(row))
-                response = tok.decode(row[:cut], skip_special_tokens=True)
-                new_tokens += cut
-                f.write(json.dumps({"id": p.id, "source": p.source, "mode": mode, "prompt": p.text,
-                                    "response": response, "response_tokens": cut}) + "\n")
-            f.flush()
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
-    bar.close()
-    elapsed = time.time() - t0
-    log = out / "generation_log.jsonl"
-    with log.open("a") as f:
-        f.write(json.dumps({"seconds": round(elapsed, 1), "new_tokens": new_tokens,
-                            "prompts_done": len(prompts) - len(todo)}) + "\n")
-    finalise(cfg, out, folder)
-    return out
+        writer.flush()
+        bar.close()
+
+    # -------------------------------------------------------------- generation
+    def engine(self):
+        from moaspec.training.generators import LlamaServer, TransformersGenerator
+
+        cfg = self.cfg
+        server = _llama_server()
+        if cfg.engine == "llama.cpp" and server is None:
+            raise UserError("llama-server is not built: run `make llama-cpp`, or pass --engine transformers")
+        if server is not None and cfg.engine != "transformers":
+            from moaspec.models.store import gguf_file
+
+            return LlamaServer(server, gguf_file(cfg.model), self.eos, cfg.parallel, cfg.threads,
+                               cfg.max_prompt_tokens + cfg.max_new_tokens + 8)
+        return TransformersGenerator(self.folder, self.tok, self.eos, cfg.parallel)
+
+    def requests(self, prompts: Iterable[Prompt]):
+        from moaspec.training.generators import Request
+
+        cfg = self.cfg
+        for p in prompts:
+            if p.id in self.done:
+                continue
+            ids = self.chat(p.text)
+            if len(ids) > cfg.max_prompt_tokens:
+                continue
+            h = int(hashlib.sha1(f"{cfg.seed}-{p.id}".encode()).hexdigest()[:8], 16)
+            sampled = h / 0xFFFFFFFF < cfg.sampled_fraction
+            yield Request(p.id, ids, cfg.temperature if sampled else 0.0, h % 2**31)
+
+    def build_gen(self, goal: int, time_budget_s: float | None) -> float:
+        """Answers until `goal` tokens or the time budget; returns the seconds spent generating."""
+        have = self.tokens_of("gen")
+        if have >= goal:
+            return 0.0
+        prompts = {p.id: p for p in build_prompts(self.cfg.prompts, self.cfg.seed, contamination=self.check)}
+        todo = list(self.requests(prompts.values()))
+        gen = self.engine()
+        writer = ShardWriter(self.out, "gen", self.cfg.shard_tokens)
+        bar = tqdm(total=goal, initial=have, desc=f"gen ({gen.name})", unit="tok", unit_scale=True)
+        t0, new = time.time(), 0
+        try:
+            step = self.cfg.parallel * 8  # a round of requests; the budget is checked between rounds
+            for i in range(0, len(todo), step):
+                if have >= goal or (time_budget_s is not None and time.time() - t0 > time_budget_s):
+                    break
+                batch = {r.key: r for r in todo[i:i + step]}
+                for a in gen.generate(list(batch.values()), self.cfg.max_new_tokens):
+                    r, p = batch[a.key], prompts[a.key]
+                    text = self.tok.decode(a.tokens, skip_special_tokens=True)
+                    if not text.strip() or self.check(text):
+                        continue
+                    writer.add(Sequence(p.id, p.source, r.prompt + a.tokens, len(r.prompt), a.finished,
+                                        "sampled" if r.temperature > 0 else "greedy"))
+                    have += len(r.prompt) + len(a.tokens)
+                    new += len(a.tokens)
+                    bar.update(len(r.prompt) + len(a.tokens))
+                    bar.set_postfix(answer_tok_s=f"{new / (time.time() - t0):.1f}")
+                writer.flush()
+        finally:
+            gen.close()
+            bar.close()
+        return time.time() - t0
+
+    def run(self, time_budget_s: float | None = None) -> dict:
+        cfg = self.cfg
+        t0 = time.time()
+        self.build_text(int(cfg.tokens * cfg.text_fraction))
+        text_s = time.time() - t0
+        left = None if time_budget_s is None else max(0.0, time_budget_s - text_s)
+        gen_s = self.build_gen(cfg.tokens - int(cfg.tokens * cfg.text_fraction), left)
+        with (self.out / "build_log.jsonl").open("a") as f:
+            f.write(json.dumps({"text_seconds": round(text_s, 1), "gen_seconds": round(gen_s, 1),
+                                "engine": cfg.engine, "threads": cfg.threads, "parallel": cfg.parallel}) + "\n")
+        return finalise(self.out)
 
 
-def finalise(cfg: DataConfig, out: Path, model_folder: Path) -> dict:
-    """Deduplicate, split train/validation by a hash of the prompt id, and write the manifest."""
-    rows, seen = [], set()
-    for line in (out / "responses.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        key = (r["prompt"], r["response"])
-        if line.strip() and key not in seen and r["response"].strip():
-            seen.add(key)
-            rows.append(r)
-    rows.sort(key=lambda r: r["id"])
-    splits = {"train": [r for r in rows if not _is_val(r["id"], cfg.val_fraction)],
-              "val": [r for r in rows if _is_val(r["id"], cfg.val_fraction)]}
-    for name, part in splits.items():
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
-    logs = [json.loads(x) for x in (out / "generation_log.jsonl").read_text().splitlines()] \
-        if (out / "generation_log.jsonl").exists() else []
+def texts(folder: str | Path) -> Iterator[str]:
+    """Every sequence of a data folder as text (prompt and answer), decoded with its target's tokenizer."""
+    from moaspec.pipeline import load_tokenizer
+
+    folder = Path(folder)
+    if not shards(folder) or not (folder / "config.json").is_file():
+        raise UserError(f"{folder} holds no data shards: is it a `moaspec data` folder?")
+    tok = load_tokenizer(resolve(json.loads((folder / "config.json").read_text())["model"]))
+    for path in shards(folder):
+        rows = list(read_shard(path))
+        yield from tok.batch_decode([r.ids for r in rows], skip_special_tokens=True)
+
+
+def _llama_server() -> Path | None:
+    from moaspec.bench.llamacpp import bin_dir
+
+    path = bin_dir() / "llama-server"
+    return path if path.is_file() else None
+
+
+def finalise(out: Path) -> dict:
+    """Count what the folder holds and write the manifest."""
+    cfg = DataConfig(**{k: v for k, v in json.loads((out / "config.json").read_text()).items()
+                        if k in {f.name for f in fields(DataConfig)}})
+    rows = load(out)
+    logs = [json.loads(x) for x in (out / "build_log.jsonl").read_text().splitlines()] \
+        if (out / "build_log.jsonl").exists() else []
+    per: dict[str, dict] = {}
+    for r in rows:
+        split = "val" if is_val(r.id, cfg.val_fraction) else "train"
+        d = per.setdefault(r.kind.split("-")[0] if r.kind.startswith("text") else "gen", {})
+        for k, v in ((f"{split}_sequences", 1), (f"{split}_tokens", len(r.ids)),
+                     (f"{split}_answer_tokens", len(r.ids) - r.prompt_len), ("finished", int(r.finished))):
+            d[k] = d.get(k, 0) + v
+    total = sum(len(r.ids) for r in rows)
+    gen_s = sum(x["gen_seconds"] for x in logs)
     manifest = {
-        "version": DATA_VERSION, "model": cfg.model, "target_fingerprint": weights_fingerprint(model_folder),
-        "seed": cfg.seed, "prompts_requested": cfg.prompts,
-        "train": len(splits["train"]), "val": len(splits["val"]),
-        "response_tokens": {k: sum(r["response_tokens"] for r in v) for k, v in splits.items()},
-        "generation_seconds": round(sum(x["seconds"] for x in logs), 1),
-        "complete": len(rows) >= cfg.prompts,
+        "version": DATA_VERSION, "model": cfg.model, "target_fingerprint": weights_fingerprint(resolve(cfg.model)),
+        "seed": cfg.seed, "tokens": total, "goal": cfg.tokens, "complete": total >= cfg.tokens, "sources": per,
+        "kinds": dict(sorted(Counter(r.kind for r in rows).items())),
+        "generation_seconds": round(gen_s, 1),
+        "answer_tokens_per_s": round(sum(v for k, v in per.get("gen", {}).items() if k.endswith("answer_tokens"))
+                                     / gen_s, 1) if gen_s else None,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest

@@ -1,18 +1,18 @@
 """Drafter training with the target in the loop: MoA on-policy (PAPER.md section 4), and the EAGLE-2
 and independent baselines with the same data, loop, loss weights and budget.
 
-Why the target runs in the loop instead of from cached features: on this CPU one epoch is all a
-working session affords, so a feature cache would be read once and pay nothing back, while it costs
-23 KB per token for SmolLM2 (all layers' K/V in fp16) and 12 KB for Qwen 0.5B. Instead, several
-drafters train side by side on one target pass per sequence (`kind="moa,eagle,independent"`,
-`tli_layers="0,1,3"`): the same sequences, `every` draws and steps for each, so equal budgets hold by
-construction and the target's share of the cost (~45% for one SmolLM2 drafter) is paid once.
+The frozen target's features come from a cache (features.py): computed the first time a sequence is
+used (fp16 on disk, 23 KB per token for SmolLM2, 12 KB for Qwen 0.5B) and read back for every later
+epoch, drafter and learning-curve point. Several drafters train side by side
+(`kind="moa,eagle,independent"`, `tli_layers="0,1,3"`): the same sequences, `every` draws and steps for
+each, so equal budgets hold by construction.
 
 Per sequence: the frozen target gives every layer's K/V and the hidden states; `every` is drawn
 from 6..14; CA row i may read only contexts j <= start_i; SA is causal, except that in the first
 half of training it is, with a probability falling linearly to 0, limited to tokens after start_i.
-Loss on assistant tokens only: 0.1 x soft cross-entropy against the target's next-token
-distribution + SmoothL1 to the target state the drafter regresses.
+The loss covers every row whose label the target pass gives, prompt rows included (they are
+verified context, so a prompt row drafts one step ahead): `ce_weight` x soft cross-entropy against the
+target's next-token distribution + SmoothL1 to the target state the drafter regresses.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from moaspec.drafters import eagle, independent, moa
 from moaspec.errors import UserError
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve, weights_fingerprint
+from moaspec.training import data
+from moaspec.training.features import FeatureCache, compute
 
 KINDS = {"moa": moa, "eagle": eagle, "independent": independent}
 
@@ -40,14 +42,16 @@ KINDS = {"moa": moa, "eagle": eagle, "independent": independent}
 @dataclass
 class TrainConfig:
     model: str = "smollm2-135m"
-    data: str = ""  # folder with train.jsonl / val.jsonl (training.data)
+    data: str = ""  # a `moaspec data` folder (training.data)
+    data_tokens: int = 0  # train on a seeded subset of this many tokens (0 = all): learning curves
+    epochs: float = 0.0  # > 0: steps = epochs x the subset's sequences / batch_size (overrides steps)
     out: str = "runs/moa"
     kind: str = "moa"  # comma-separated among "moa", "eagle", "independent": trained side by side
     tli_layers: int | str = 0  # MoA Target Layer Inference N; "0,1,3" trains one MoA per N
     vocab_ids: int = 16384  # trimmed drafter head (0 = full vocabulary)
     steps: int = 300
     batch_size: int = 4
-    max_len: int = 384
+    max_len: int = 1024
     lr: float = 6e-4
     lr_min: float = 3e-5
     warmup: int = 30
@@ -59,13 +63,15 @@ class TrainConfig:
     val_sequences: int = 24
     seed: int = 0
     save_every: int = 100
+    feature_cache: bool = True
 
 
 @dataclass
 class Example:
     ids: list[int]
     prompt_len: int
-
+    index: int = 0  # position in its split: the feature cache's key
+    answer_from_target: bool = False  # the answer is the target's own generation (not package text)
 
 @dataclass
 class Student:
@@ -99,30 +105,39 @@ def student_specs(kind: str, tli_layers: int | str) -> list[tuple[str, str, int]
     return specs
 
 
-def load_examples(tokenizer, path: Path, max_len: int) -> list[Example]:
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    eos = eos if isinstance(eos, int) and eos >= 0 else tokenizer.eos_token_id
+def load_examples(folder: str | Path, split: str, max_len: int) -> list[Example]:
+    """A split of a data folder as examples cut to `max_len` tokens."""
     out = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        p = tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                          tokenize=True)
-        p = list(p["input_ids"] if hasattr(p, "keys") else p)
-        ids = (p + tokenizer.encode(r["response"], add_special_tokens=False) + [eos])[:max_len]
-        if len(ids) > len(p) + 1:
-            out.append(Example(ids, len(p)))
+    for r in data.load(folder, split):
+        ids = r.ids[:max_len]
+        if len(ids) >= 3:
+            out.append(Example(ids, min(max(1, r.prompt_len), len(ids)), len(out), r.mode != "text"))
     return out
 
 
+def subset(examples: list[Example], tokens: int, seed: int) -> list[Example]:
+    """A seeded random subset of about `tokens` tokens; a smaller budget's subset is a prefix of a
+    larger one's, so the points of a learning curve nest."""
+    order = random.Random(f"subset-{seed}").sample(examples, len(examples))
+    kept, total = [], 0
+    for e in order:
+        if total >= tokens:
+            break
+        kept.append(e)
+        total += len(e.ids)
+    return kept
+
+
 def top_vocab(examples: list[Example], k: int, vocab_size: int) -> torch.Tensor:
-    """The k most frequent target tokens in the training data (ties by id), padded with the lowest ids."""
-    counts = Counter(t for e in examples for t in e.ids)
-    ids = [t for t, _ in sorted(counts.items(), key=lambda x: (-x[1], x[0]))][:k]
-    seen = set(ids)
-    ids += [t for t in range(vocab_size) if t not in seen][: k - len(ids)]
-    return torch.tensor(sorted(ids))
+    """The k tokens the target writes most often in its own answers (ties by id), then those most
+    frequent anywhere in the data, padded with the lowest ids: the drafter drafts what the target
+    generates, so the trimmed head is chosen from the answers, not from prompts or package text."""
+    answers = Counter(t for e in examples if e.answer_from_target for t in e.ids[e.prompt_len:])
+    anywhere = Counter(t for e in examples for t in e.ids)
+    ranked = sorted(anywhere, key=lambda t: (-answers[t], -anywhere[t], t))[:k]
+    seen = set(ranked)
+    ranked += [t for t in range(vocab_size) if t not in seen][: k - len(ranked)]
+    return torch.tensor(sorted(ranked))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -143,16 +158,25 @@ class Trainer:
         folder = resolve(cfg.model)
         self.tokenizer = load_tokenizer(folder)
         self.target = Transformer(folder, weights="fp32", max_seq_len=cfg.max_len + 8)
-        data = Path(cfg.data)
-        if not (data / "train.jsonl").exists():
-            raise UserError(f"no training data in {data}: run `moaspec data --model {cfg.model}` first")
-        self.train = load_examples(self.tokenizer, data / "train.jsonl", cfg.max_len)
-        self.val = load_examples(self.tokenizer, data / "val.jsonl", cfg.max_len)[: cfg.val_sequences]
+        manifest = Path(cfg.data) / "manifest.json"
+        fingerprint = weights_fingerprint(folder)
+        if manifest.exists() and json.loads(manifest.read_text()).get("target_fingerprint") != fingerprint:
+            raise UserError(f"{cfg.data} was built for other weights than {cfg.model}'s: pass its own --model")
+        everything = load_examples(cfg.data, "train", cfg.max_len)
+        self.train = subset(everything, cfg.data_tokens, cfg.seed) if cfg.data_tokens else everything
+        self.val = load_examples(cfg.data, "val", cfg.max_len)[: cfg.val_sequences]
+        if not self.train or not self.val:
+            raise UserError(f"{cfg.data} has {len(self.train)} training and {len(self.val)} validation sequences; "
+                            "both must be non-empty")
+        self.train_tokens = sum(len(e.ids) for e in self.train)
+        if cfg.epochs > 0:
+            cfg.steps = max(1, math.ceil(cfg.epochs * len(self.train) / cfg.batch_size))
         L = self.target.cfg.num_layers
         if any(n >= L for _, _, n in specs):
             raise UserError(f"Target Layer Inference N must be below the target's {L} layers")
-        vocab = top_vocab(self.train, cfg.vocab_ids, self.target.cfg.vocab_size) if cfg.vocab_ids else None
-        common = dict(vocab_ids=cfg.vocab_ids, target_name=cfg.model, target_fingerprint=weights_fingerprint(folder))
+        # the head is chosen from all the training data, so that every budget of a learning curve shares it
+        vocab = top_vocab(everything, cfg.vocab_ids, self.target.cfg.vocab_size) if cfg.vocab_ids else None
+        common = dict(vocab_ids=cfg.vocab_ids, target_name=cfg.model, target_fingerprint=fingerprint)
         self.students: list[Student] = []
         for label, kind, n in specs:
             if kind == "moa":
@@ -169,6 +193,11 @@ class Trainer:
             opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
             self.students.append(Student(label, kind, n, drafter, opt))
         self.layers = tuple(sorted({L} | {L - s.tli for s in self.students}))
+        self.caches = {}
+        if cfg.feature_cache:
+            for split, exs in (("train", everything), ("val", self.val)):
+                self.caches[split] = FeatureCache(self.target, fingerprint, [e.ids for e in exs], self.layers,
+                                                  greedy=split == "val")
         self.step = 0
         self.history: list[dict] = []
         self.out = Path(cfg.out)
@@ -179,24 +208,20 @@ class Trainer:
         return self.students[0].drafter
 
     # ------------------------------------------------------------------ target pass
-    def target_pass(self, ex: Example, greedy: bool = False) -> dict:
-        """Everything the drafters need from the frozen target for one sequence (no autograd); with
-        `greedy`, also the target's full-vocabulary argmax per row (validation only: a full LM head)."""
-        t = self.target
-        t.reset()
-        out = t.forward(torch.tensor(ex.ids), logits_rows=slice(0, 0), hidden_layers=self.layers)
-        # Clones leave inference mode (usable in autograd); each tensor is copied once.
-        K, V = (x.clone() for x in t.kv(slice(0, len(ex.ids))))  # [L, Hkv, T, d]
-        hidden = {i: h.clone() for i, h in out.hidden.items()}
-        final = hidden[t.cfg.num_layers]
+    def target_pass(self, ex: Example, split: str = "train") -> dict:
+        """Everything the drafters need from the frozen target for one sequence (no autograd), from
+        the feature cache; validation adds the target's full-vocabulary argmax per row."""
+        greedy = split == "val"
+        cache = self.caches.get(split)
+        f = cache.get(ex.index) if cache is not None else compute(self.target, ex.ids, self.layers, greedy)
+        final = f.hidden[self.target.cfg.num_layers]
         head = self.drafter.head  # every drafter shares the trimmed vocabulary of the same data
         with torch.inference_mode():
             probs = F.linear(final, head).softmax(-1)  # over the drafter's vocabulary
-            argmax = t.lm_head(final).argmax(-1) if greedy else None
-        res = {"k": K.permute(2, 0, 1, 3), "v": V.permute(2, 0, 1, 3), "K": K, "V": V, "final": final,
-               "probs": probs.clone(), "hidden": hidden}
+        res = {"k": f.K.permute(2, 0, 1, 3), "v": f.V.permute(2, 0, 1, 3), "K": f.K, "V": f.V, "final": final,
+               "probs": probs.clone(), "hidden": f.hidden}
         if greedy:
-            res["argmax"] = argmax.clone()
+            res["argmax"] = f.argmax
         return res
 
     # ------------------------------------------------------------------ loss
@@ -208,9 +233,9 @@ class Trainer:
         drafter = st.drafter
         T = len(ex.ids)
         rows = torch.arange(T)
-        # MoA/independent row i predicts x_{i+1}; keep rows whose next token is an assistant token.
+        # MoA/independent row i predicts x_{i+1}; row 0 has no verified context before it.
         start = moa.verification_starts(T, ex.prompt_len, every)
-        keep = (rows >= ex.prompt_len - 1) & (rows < T - 1)
+        keep = (rows >= 1) & (rows < T - 1)
         target_row = rows
         L = self.target.cfg.num_layers
         if st.kind == "moa":
@@ -222,7 +247,7 @@ class Trainer:
             depth = rows - start
         elif st.kind == "eagle":
             # EAGLE row i reads (f_i, x_{i+1}) and predicts f_{i+1}, x_{i+2}: its targets sit at row i + 1.
-            keep = (rows >= ex.prompt_len - 2) & (rows < T - 2)
+            keep = rows < T - 2
             target_row = (rows + 1).clamp(max=T - 1)
             hidden, logits, depth = self.eagle_outputs(drafter, ex, tp, start)
             final = hidden
@@ -267,21 +292,34 @@ class Trainer:
         return pred[0], logits[0], depth
 
     # ------------------------------------------------------------------ loop
-    def run(self, resume: bool = True) -> dict:
+    def batch(self, step: int) -> list[Example]:
+        """Step `step`'s sequences: epochs walk seeded permutations of the training set in turn."""
+        n, B = len(self.train), min(self.cfg.batch_size, len(self.train))
+        out = []
+        for j in range(step * B, step * B + B):
+            epoch, pos = divmod(j, n)
+            if epoch != getattr(self, "_order_epoch", None):
+                self._order = random.Random(f"order-{self.cfg.seed}-{epoch}").sample(range(n), n)
+                self._order_epoch = epoch
+            out.append(self.train[self._order[pos]])
+        return out
+
+    def run(self, resume: bool = True, until: int | None = None) -> dict:
+        """Train to `cfg.steps` (or stop after step `until`, saved, as a stopped session would)."""
         cfg = self.cfg
         if resume and (self.out / "trainer.pt").exists():
             self.load_state()
         labels = ", ".join(s.label for s in self.students)
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {labels}", unit="step")
         t0, tokens, target_s = time.time(), 0, 0.0
-        while self.step < cfg.steps:
+        while self.step < min(cfg.steps, until or cfg.steps):
             for st in self.students:
                 for g in st.opt.param_groups:
                     g["lr"] = lr_at(self.step, cfg)
                 st.opt.zero_grad(set_to_none=True)
             p_curriculum = max(0.0, 1.0 - self.step / (cfg.steps / 2))
             losses = {s.label: 0.0 for s in self.students}
-            for ex in self.rng.sample(self.train, min(cfg.batch_size, len(self.train))):
+            for ex in self.batch(self.step):
                 every = self.rng.randint(cfg.every_min, cfg.every_max)
                 curriculum = self.rng.random() < p_curriculum
                 t1 = time.time()
@@ -310,16 +348,23 @@ class Trainer:
                 for label, r in v.items():
                     bar.write(f"step {self.step} {label}: val loss {r['loss']:.4f} top-1 by depth "
                               f"{r['top1_by_depth']}")
-            if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+            if self.step % cfg.save_every == 0 or self.step in (cfg.steps, until):
                 self.save_state()
         bar.close()
         final = next((h["val"] for h in reversed(self.history) if "val" in h), {})
         result = {"steps": self.step, "train_tokens": tokens, "seconds": round(time.time() - t0, 1),
-                  "target_seconds": round(target_s, 1), "drafters": {}}
+                  "target_seconds": round(target_s, 1), "distinct_tokens": self.train_tokens, "drafters": {}}
+        if "train" in self.caches:
+            c = self.caches["train"]
+            c.flush()
+            result["feature_extraction"] = {"tokens": c.computed_tokens, "seconds": round(c.compute_s, 1),
+                                            "tokens_per_s": round(c.computed_tokens / c.compute_s, 1)
+                                            if c.compute_s else None}
         for st in self.students:
             result["drafters"][st.label] = {"seconds": round(st.seconds, 1), "final_val": final.get(st.label)}
             if self.step == cfg.steps and (self.out / st.label).exists():
-                info = {"data": cfg.data, "steps": cfg.steps, "batch_size": cfg.batch_size, "max_len": cfg.max_len,
+                info = {"data": cfg.data, "data_tokens": self.train_tokens, "epochs": cfg.epochs,
+                        "steps": cfg.steps, "batch_size": cfg.batch_size, "max_len": cfg.max_len,
                         "vocab_ids": cfg.vocab_ids, "threads": torch.get_num_threads(), "train_tokens": tokens,
                         "trained_with": [s.label for s in self.students], "shared_target_seconds": result[
                             "target_seconds"], "seconds": result["seconds"], "own_seconds": round(st.seconds, 1),
@@ -335,7 +380,7 @@ class Trainer:
             st.drafter.eval()
         res = {st.label: {"loss": [], "agree": [], "depth": []} for st in self.students}
         for ex in self.val:
-            tp = self.target_pass(ex, greedy=True)
+            tp = self.target_pass(ex, "val")
             for st in self.students:
                 loss, s = self.sequence_loss(st, ex, tp, every, curriculum=False)
                 r = res[st.label]

@@ -1,0 +1,113 @@
+"""The frozen target's features of every training token, computed once and kept on disk.
+
+The target's pass is most of a training step's cost (51-76% measured), and it never changes, so a
+token's features are computed the first time an example is used and read back from then on: the
+second epoch, every further drafter trained on the same data and the points of a learning curve cost
+only the drafters' own passes. Stored as fp16 memory-mapped .npy files (sparse until written) under
+the model cache, keyed by the target's weights, the layers kept and the examples' token ids; a
+per-example flag records what is written, so a stopped job keeps what it computed. Nothing here
+goes into git: the committed token ids rebuild it.
+
+Per token: every layer's K and V (MoA's Layer Self-Attention reads them all) and the input of the
+chosen layers (the final normed state for the regression loss and the soft labels, the input of
+layer L-N for Target Layer Inference); for validation examples also the full-vocabulary argmax.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from numpy.lib.format import open_memmap
+
+from moaspec.models.runtime import Transformer
+from moaspec.models.store import cache_dir
+
+FEATURES_VERSION = 1
+
+
+@dataclass
+class Features:
+    """One sequence's target features: K, V [L, Hkv, T, d]; hidden {layer: [T, D]} (layer L = final
+    normed state); argmax [T] or None."""
+
+    K: torch.Tensor
+    V: torch.Tensor
+    hidden: dict[int, torch.Tensor]
+    argmax: torch.Tensor | None = None
+
+
+def compute(target: Transformer, ids: list[int], layers: tuple[int, ...], greedy: bool) -> Features:
+    """One target pass (no autograd) over a whole sequence."""
+    t = target
+    t.reset()
+    out = t.forward(torch.tensor(ids), logits_rows=slice(0, 0), hidden_layers=layers)
+    K, V = (x.clone() for x in t.kv(slice(0, len(ids))))
+    hidden = {i: h.clone() for i, h in out.hidden.items()}
+    argmax = None
+    if greedy:
+        with torch.inference_mode():
+            argmax = t.lm_head(hidden[t.cfg.num_layers]).argmax(-1).clone()
+    return Features(K, V, hidden, argmax)
+
+
+class FeatureCache:
+    """Features of a fixed list of sequences, by index; `get` computes and stores on first use."""
+
+    def __init__(self, target: Transformer, fingerprint: str, sequences: list[list[int]], layers: tuple[int, ...],
+                 greedy: bool, root: Path | None = None):
+        self.target, self.layers, self.greedy = target, tuple(sorted(layers)), greedy
+        c = target.cfg
+        h = hashlib.sha256(json.dumps([FEATURES_VERSION, fingerprint, self.layers, greedy]).encode())
+        for ids in sequences:
+            h.update(np.asarray(ids, dtype=np.uint32).tobytes() + b"|")
+        self.folder = (root or cache_dir() / "features") / h.hexdigest()[:16]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        n = int(self.offsets[-1])
+        self.kv = self._array("kv", (n, 2, c.num_layers, c.num_kv_heads, c.head_dim), np.float16)
+        self.hidden = {layer: self._array(f"hidden{layer}", (n, c.hidden_size), np.float16) for layer in self.layers}
+        self.argmax = self._array("argmax", (n,), np.int32) if greedy else None
+        self.done = self._array("done", (len(sequences),), np.bool_)
+        self.sequences = sequences
+        self.compute_s, self.computed_tokens = 0.0, 0
+
+    def _array(self, name: str, shape: tuple[int, ...], dtype) -> np.memmap:
+        path = self.folder / f"{name}.npy"
+        if path.exists():
+            arr = np.load(path, mmap_mode="r+")
+            if arr.shape == shape and arr.dtype == dtype:
+                return arr
+        return open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+
+    def get(self, i: int) -> Features:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        if not self.done[i]:
+            t0 = time.perf_counter()
+            f = compute(self.target, self.sequences[i], self.layers, self.greedy)
+            self.kv[a:b, 0] = f.K.permute(2, 0, 1, 3).numpy()
+            self.kv[a:b, 1] = f.V.permute(2, 0, 1, 3).numpy()
+            for layer in self.layers:
+                self.hidden[layer][a:b] = f.hidden[layer].numpy()
+            if self.argmax is not None:
+                self.argmax[a:b] = f.argmax.numpy()
+            self.done[i] = True
+            self.compute_s += time.perf_counter() - t0
+            self.computed_tokens += b - a
+        # read back even when just computed, so that every epoch sees the same fp16-rounded features
+        kv = torch.from_numpy(np.ascontiguousarray(self.kv[a:b])).float()  # [T, 2, L, Hkv, d]
+        K, V = kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)
+        hidden = {layer: torch.from_numpy(np.ascontiguousarray(self.hidden[layer][a:b])).float()
+                  for layer in self.layers}
+        argmax = torch.from_numpy(self.argmax[a:b].astype(np.int64)) if self.argmax is not None else None
+        return Features(K, V, hidden, argmax)
+
+    def flush(self) -> None:
+        for arr in (self.kv, *self.hidden.values(), self.done, *((self.argmax,) if self.argmax is not None else ())):
+            arr.flush()

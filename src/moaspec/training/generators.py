@@ -1,0 +1,140 @@
+"""Engines that write the target's answers for the training data, fastest first.
+
+The answers only need to be close to the target's own: the labels always come from the fp32
+target's pass over the finished text (teacher forcing). So the fastest engine here wins:
+llama.cpp's server with continuous batching over the quantised GGUF the model store checks
+(`make llama-cpp` builds it), else transformers' batched `generate` on the fp32 weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moaspec.errors import UserError
+
+
+@dataclass
+class Request:
+    key: str
+    prompt: list[int]
+    temperature: float  # 0 = greedy
+    seed: int
+
+
+@dataclass
+class Answer:
+    key: str
+    tokens: list[int]  # ends with the end-of-turn token when the answer ended on its own
+    finished: bool
+
+
+class LlamaServer:
+    """llama.cpp's `llama-server` as a subprocess on a free loopback port; `parallel` slots decode
+    together (continuous batching), so the CPU's matrix units see several rows per weight read."""
+
+    name = "llama.cpp"
+
+    def __init__(self, binary: Path, gguf: Path, eos: int, parallel: int, threads: int, slot_len: int):
+        self.eos, self.parallel = eos, parallel
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+               "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * slot_len), "--no-webui", "-ngl", "0",
+               "--log-disable"]
+        self.log = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise UserError(f"llama-server exited with code {self.proc.returncode}: {' '.join(cmd)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
+        self.close()
+        raise UserError("llama-server did not become healthy within 5 minutes")
+
+    def _one(self, req: Request, max_new: int) -> Answer:
+        body = {"prompt": req.prompt, "n_predict": max_new, "temperature": req.temperature, "seed": req.seed,
+                "top_k": 0, "top_p": 1.0, "min_p": 0.0, "return_tokens": True, "cache_prompt": False,
+                "samplers": ["temperature"]}  # plain temperature sampling; at 0, the argmax
+        data = json.dumps(body).encode()
+        for attempt in range(3):
+            try:
+                r = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=data,
+                                           headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(r, timeout=3600) as resp:
+                    out = json.loads(resp.read())
+                break
+            except (urllib.error.URLError, OSError):
+                if attempt == 2 or self.proc.poll() is not None:
+                    raise
+                time.sleep(2)
+        tokens = [int(t) for t in out["tokens"]]
+        finished = out.get("stop_type") == "eos"
+        if finished and (not tokens or tokens[-1] != self.eos):  # the server may or may not return it
+            tokens.append(self.eos)
+        return Answer(req.key, tokens, finished)
+
+    def generate(self, requests: Sequence[Request], max_new: int) -> Iterator[Answer]:
+        with ThreadPoolExecutor(self.parallel) as pool:
+            yield from pool.map(lambda r: self._one(r, max_new), requests)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+class TransformersGenerator:
+    """Batched `generate` on the fp32 weights (left padding): slow, but needs nothing built."""
+
+    name = "transformers"
+
+    def __init__(self, folder: Path, tokenizer, eos: int, batch_size: int):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        self.eos, self.batch_size = eos, batch_size
+        eos_ids = self.model.generation_config.eos_token_id
+        self.stops = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {eos}
+
+    def generate(self, requests: Sequence[Request], max_new: int) -> Iterator[Answer]:
+        for mode in (0, 1):  # a batch shares its sampling mode
+            group = sorted((r for r in requests if (r.temperature > 0) == bool(mode)), key=lambda r: len(r.prompt))
+            for i in range(0, len(group), self.batch_size):
+                batch = group[i:i + self.batch_size]
+                width = max(len(r.prompt) for r in batch)
+                ids = torch.tensor([[self.pad] * (width - len(r.prompt)) + r.prompt for r in batch])
+                mask = (torch.arange(width)[None] >= torch.tensor([width - len(r.prompt) for r in batch])[:, None])
+                torch.manual_seed(batch[0].seed)
+                with torch.inference_mode():
+                    gen = self.model.generate(ids, attention_mask=mask.long(), max_new_tokens=max_new,
+                                              do_sample=bool(mode), temperature=batch[0].temperature if mode else None,
+                                              top_p=None, top_k=None, pad_token_id=self.pad)
+                for r, row in zip(batch, gen[:, width:].tolist(), strict=True):
+                    cut = next((j for j, t in enumerate(row) if t in self.stops), None)
+                    yield Answer(r.key, row if cut is None else row[:cut] + [self.eos], cut is not None)
+
+    def close(self) -> None:
+        pass
