@@ -4,7 +4,7 @@ relative to one decode step, and tau / speedup of the training-free drafters.
 
     python -m moaspec.bench.runtime --model qwen2.5-coder-0.5b
     python -m moaspec.bench.runtime --model smollm2-135m --parts drafters --drafters lookup,moa,eagle,independent \
-        --prompts-from data/smollm2-135m-v1-seed0/val.jsonl --max-prompts 10 --new-tokens 96
+        --prompts-from data/smollm2-135m-v2-seed0 --max-prompts 10 --new-tokens 96
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def scoring_cost(folder, weights: str, context: int = 200, ks=(1, 2, 4, 8, 16, 3
 
 
 def drafter_speedup(model: str, drafters: list[tuple[str, str | None]], weights: str, new_tokens: int,
-                    trees: list[TreeConfig], prompts: list[str] = PROMPTS, temperature: float = 0.0,
+                    trees: list[TreeConfig], prompts: list[str] | list[list[int]] = PROMPTS, temperature: float = 0.0,
                     checkpoints: str | None = None) -> dict:
     """tau and tokens/s of each (drafter, tree) against plain decoding, interleaved per prompt, on one copy
     of the target; every greedy answer is checked token-identical to the plain one."""
@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                          "--checkpoints (moa, moa-n1, eagle, ...); a /full suffix drafts over the untrimmed vocabulary")
     ap.add_argument("--weights", default="fp32")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("--prompts-from", default=None, help="a .jsonl with a 'prompt' field (e.g. a data set's val split)")
+    ap.add_argument("--prompts-from", default=None,
+                    help="a `moaspec data` folder: the chat prompts of its validation split's generated answers")
     ap.add_argument("--max-prompts", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--checkpoints", default=None, help="folder with <kind>/ checkpoints of trained drafters")
@@ -179,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         trees = [TreeConfig.parse(t) for t in a.trees.split(";")]
         prompts = PROMPTS
         if a.prompts_from:
-            lines = Path(a.prompts_from).read_text().splitlines()
-            prompts = [json.loads(x)["prompt"] for x in lines if x.strip()][: a.max_prompts]
+            from moaspec.training.data import load
+
+            prompts = [r.ids[:r.prompt_len] for r in load(a.prompts_from, "val") if r.mode != "text"][: a.max_prompts]
         result["drafters"] = drafter_speedup(a.model, drafters, a.weights, a.new_tokens, trees, prompts,
                                              a.temperature, a.checkpoints)
         print(json.dumps({"drafters": result["drafters"]}), flush=True)

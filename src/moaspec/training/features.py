@@ -41,12 +41,16 @@ class Features:
     hidden: dict[int, torch.Tensor]
     argmax: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> Features:
+        return Features(self.K.to(device), self.V.to(device), {k: h.to(device) for k, h in self.hidden.items()},
+                        None if self.argmax is None else self.argmax.to(device))
+
 
 def compute(target: Transformer, ids: list[int], layers: tuple[int, ...], greedy: bool) -> Features:
     """One target pass (no autograd) over a whole sequence."""
     t = target
     t.reset()
-    out = t.forward(torch.tensor(ids), logits_rows=slice(0, 0), hidden_layers=layers)
+    out = t.forward(torch.tensor(ids, device=t.device), logits_rows=slice(0, 0), hidden_layers=layers)
     K, V = (x.clone() for x in t.kv(slice(0, len(ids))))
     hidden = {i: h.clone() for i, h in out.hidden.items()}
     argmax = None
@@ -91,12 +95,12 @@ class FeatureCache:
         if not self.done[i]:
             t0 = time.perf_counter()
             f = compute(self.target, self.sequences[i], self.layers, self.greedy)
-            self.kv[a:b, 0] = f.K.permute(2, 0, 1, 3).numpy()
-            self.kv[a:b, 1] = f.V.permute(2, 0, 1, 3).numpy()
+            self.kv[a:b, 0] = f.K.permute(2, 0, 1, 3).cpu().numpy()
+            self.kv[a:b, 1] = f.V.permute(2, 0, 1, 3).cpu().numpy()
             for layer in self.layers:
-                self.hidden[layer][a:b] = f.hidden[layer].numpy()
+                self.hidden[layer][a:b] = f.hidden[layer].cpu().numpy()
             if self.argmax is not None:
-                self.argmax[a:b] = f.argmax.numpy()
+                self.argmax[a:b] = f.argmax.cpu().numpy()
             self.done[i] = True
             self.compute_s += time.perf_counter() - t0
             self.computed_tokens += b - a

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -64,6 +65,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     feature_cache: bool = True
+    device: str = "cpu"  # "cuda" (the target's features computed there, drafters under bf16 autocast)
 
 
 @dataclass
@@ -140,6 +142,28 @@ def top_vocab(examples: list[Example], k: int, vocab_size: int) -> torch.Tensor:
     return torch.tensor(sorted(ranked))
 
 
+def _distributed(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, this process's device). Under a launcher that sets WORLD_SIZE (torchrun,
+    accelerate), joins its process group: NCCL on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda, but PyTorch sees no CUDA device here")
+    if world == 1:
+        return 0, 1, dev
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    return torch.distributed.get_rank(), world, dev
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        torch.distributed.barrier()
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -153,18 +177,22 @@ class Trainer:
 
         self.cfg = cfg
         specs = student_specs(cfg.kind, cfg.tli_layers)
+        self.rank, self.world, device = _distributed(cfg.device)
         torch.manual_seed(cfg.seed)
         self.rng = random.Random(cfg.seed)
         folder = resolve(cfg.model)
         self.tokenizer = load_tokenizer(folder)
-        self.target = Transformer(folder, weights="fp32", max_seq_len=cfg.max_len + 8)
+        self.target = Transformer(folder, weights="fp32", device=device, max_seq_len=cfg.max_len + 8)
         manifest = Path(cfg.data) / "manifest.json"
         fingerprint = weights_fingerprint(folder)
         if manifest.exists() and json.loads(manifest.read_text()).get("target_fingerprint") != fingerprint:
             raise UserError(f"{cfg.data} was built for other weights than {cfg.model}'s: pass its own --model")
         everything = load_examples(cfg.data, "train", cfg.max_len)
         self.train = subset(everything, cfg.data_tokens, cfg.seed) if cfg.data_tokens else everything
-        self.val = load_examples(cfg.data, "val", cfg.max_len)[: cfg.val_sequences]
+        # validation: the target's own answers only (package text is not what the target writes)
+        val = [e for e in load_examples(cfg.data, "val", cfg.max_len)
+               if e.answer_from_target and e.prompt_len < len(e.ids) - 2][: cfg.val_sequences]
+        self.val = [replace(e, index=i) for i, e in enumerate(val)]
         if not self.train or not self.val:
             raise UserError(f"{cfg.data} has {len(self.train)} training and {len(self.val)} validation sequences; "
                             "both must be non-empty")
@@ -195,9 +223,12 @@ class Trainer:
         self.layers = tuple(sorted({L} | {L - s.tli for s in self.students}))
         self.caches = {}
         if cfg.feature_cache:
-            for split, exs in (("train", everything), ("val", self.val)):
-                self.caches[split] = FeatureCache(self.target, fingerprint, [e.ids for e in exs], self.layers,
-                                                  greedy=split == "val")
+            for rank in range(self.world):  # one process creates the cache files, then the others open them
+                if rank == self.rank:
+                    for split, exs in (("train", everything), ("val", self.val)):
+                        self.caches[split] = FeatureCache(self.target, fingerprint, [e.ids for e in exs],
+                                                          self.layers, greedy=split == "val")
+                _barrier(self.world)
         self.step = 0
         self.history: list[dict] = []
         self.out = Path(cfg.out)
@@ -214,6 +245,7 @@ class Trainer:
         greedy = split == "val"
         cache = self.caches.get(split)
         f = cache.get(ex.index) if cache is not None else compute(self.target, ex.ids, self.layers, greedy)
+        f = f.to(self.target.device)
         final = f.hidden[self.target.cfg.num_layers]
         head = self.drafter.head  # every drafter shares the trimmed vocabulary of the same data
         with torch.inference_mode():
@@ -226,43 +258,46 @@ class Trainer:
 
     # ------------------------------------------------------------------ loss
     def sequence_loss(self, st: Student, ex: Example, tp: dict, every: int,
-                      curriculum: bool) -> tuple[torch.Tensor, dict]:
+                      curriculum: bool, answer_only: bool = False) -> tuple[torch.Tensor, dict]:
         """Loss of one sequence for one drafter and what validation reads: top-1 agreement with the
         target's greedy token per loss row, and the draft depth of each row (steps ahead of the last
         verified token)."""
         drafter = st.drafter
         T = len(ex.ids)
-        rows = torch.arange(T)
+        dev = self.target.device
+        rows = torch.arange(T, device=dev)
+        tokens = torch.tensor([ex.ids], device=dev)
         # MoA/independent row i predicts x_{i+1}; row 0 has no verified context before it.
-        start = moa.verification_starts(T, ex.prompt_len, every)
-        keep = (rows >= 1) & (rows < T - 1)
+        start = moa.verification_starts(T, ex.prompt_len, every).to(dev)
+        first = ex.prompt_len - 1 if answer_only else 1  # validation: the rows a drafter drafts at inference
+        keep = (rows >= first) & (rows < T - 1)
         target_row = rows
         L = self.target.cfg.num_layers
         if st.kind == "moa":
             ctx = drafter.encoder(tp["k"][None], tp["v"][None])
             tail = (tp["K"][L - st.tli:][None], tp["V"][L - st.tli:][None]) if st.tli else None
             sa_mask = moa.sa_curriculum_mask(start[None])[0] if curriculum else None
-            out = drafter.forward_train(torch.tensor([ex.ids]), ctx, start[None], tail, sa_mask)
+            out = drafter.forward_train(tokens, ctx, start[None], tail, sa_mask)
             hidden, final, logits = out.hidden[0], out.final[0], out.logits[0]
             depth = rows - start
         elif st.kind == "eagle":
             # EAGLE row i reads (f_i, x_{i+1}) and predicts f_{i+1}, x_{i+2}: its targets sit at row i + 1.
-            keep = rows < T - 2
+            keep = (rows >= first - 1) & (rows < T - 2)
             target_row = (rows + 1).clamp(max=T - 1)
-            hidden, logits, depth = self.eagle_outputs(drafter, ex, tp, start)
+            hidden, logits, depth = self.eagle_outputs(drafter, tokens, tp, start)
             final = hidden
         else:
-            hidden, logits = drafter.forward_train(torch.tensor([ex.ids]))
+            hidden, logits = drafter.forward_train(tokens)
             hidden, final, logits = hidden[0], hidden[0], logits[0]
-            depth = torch.ones(T, dtype=torch.long)  # token-only drafter: no stale target state
+            depth = torch.ones(T, dtype=torch.long, device=dev)  # token-only drafter: no stale target state
         t = target_row[keep]
-        logits = logits[keep]
+        logits = logits[keep].float()
         ce = -(tp["probs"][t] * logits.log_softmax(-1)).sum(-1).mean()
         if st.kind == "moa" and st.tli:
-            reg = 0.5 * F.smooth_l1_loss(hidden[keep], tp["hidden"][L - st.tli][t]) + \
-                0.5 * F.smooth_l1_loss(final[keep], tp["final"][t])
+            reg = 0.5 * F.smooth_l1_loss(hidden[keep].float(), tp["hidden"][L - st.tli][t]) + \
+                0.5 * F.smooth_l1_loss(final[keep].float(), tp["final"][t])
         else:
-            reg = F.smooth_l1_loss(hidden[keep], tp["final"][t])
+            reg = F.smooth_l1_loss(hidden[keep].float(), tp["final"][t])
         loss = self.cfg.ce_weight * ce + reg
         stats = {"ce": ce.item(), "reg": reg.item(), "tokens": int(keep.sum()), "depth": depth[keep]}
         if not drafter.training:
@@ -272,16 +307,15 @@ class Trainer:
         return loss, stats
 
     @staticmethod
-    def eagle_outputs(drafter: torch.nn.Module, ex: Example, tp: dict, start: torch.Tensor):
+    def eagle_outputs(drafter: torch.nn.Module, tokens: torch.Tensor, tp: dict, start: torch.Tensor):
         """Training: teacher forcing on the target's features (EAGLE is off-policy by design).
         Validation: the drafter's own features fed back as at inference. Row i uses the target's f_i
         only if slot i is verified (i <= s_i, s_i = last verified slot before row i + 1); otherwise the
         feature its previous row predicted. One pass per draft level makes levels 1..6 exact."""
-        tokens = torch.tensor([ex.ids])
         f = tp["final"][None]
-        T = len(ex.ids)
+        T = tokens.shape[1]
         s_next = torch.cat([start[1:], start.new_full((1,), T - 1)])  # s_i = start of row i + 1
-        rows = torch.arange(T)
+        rows = torch.arange(T, device=tokens.device)
         verified = rows <= s_next
         depth = rows + 1 - s_next
         pred, logits = drafter.forward_train(tokens, f)
@@ -292,6 +326,11 @@ class Trainer:
         return pred[0], logits[0], depth
 
     # ------------------------------------------------------------------ loop
+    def all_reduce(self, values: dict[str, float]) -> dict[str, float]:
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.target.device)
+        torch.distributed.all_reduce(t)
+        return dict(zip(values, t.tolist(), strict=True))
+
     def batch(self, step: int) -> list[Example]:
         """Step `step`'s sequences: epochs walk seeded permutations of the training set in turn."""
         n, B = len(self.train), min(self.cfg.batch_size, len(self.train))
@@ -319,21 +358,32 @@ class Trainer:
                 st.opt.zero_grad(set_to_none=True)
             p_curriculum = max(0.0, 1.0 - self.step / (cfg.steps / 2))
             losses = {s.label: 0.0 for s in self.students}
-            for ex in self.batch(self.step):
+            for k, ex in enumerate(self.batch(self.step)):
                 every = self.rng.randint(cfg.every_min, cfg.every_max)
                 curriculum = self.rng.random() < p_curriculum
+                if k % self.world != self.rank:  # data parallel: each process takes its share of the batch
+                    continue
                 t1 = time.time()
                 tp = self.target_pass(ex)
                 target_s += time.time() - t1
                 for st in self.students:
                     t1 = time.time()
-                    loss, s = self.sequence_loss(st, ex, tp, every, curriculum)
+                    with torch.autocast("cuda", torch.bfloat16, enabled=self.target.device.type == "cuda"):
+                        loss, s = self.sequence_loss(st, ex, tp, every, curriculum)
                     (loss / cfg.batch_size).backward()
                     st.seconds += time.time() - t1
                     losses[st.label] += loss.item() / cfg.batch_size
                 tokens += s["tokens"]
+            if self.world > 1:
+                losses = self.all_reduce(losses)
             for st in self.students:
                 t1 = time.time()
+                if self.world > 1:  # the gradients of the whole batch, as one process would have them
+                    for p in st.drafter.parameters():
+                        if p.requires_grad:
+                            if p.grad is None:
+                                p.grad = torch.zeros_like(p)
+                            torch.distributed.all_reduce(p.grad)
                 torch.nn.utils.clip_grad_norm_([p for p in st.drafter.parameters() if p.requires_grad], cfg.clip)
                 st.opt.step()
                 st.seconds += time.time() - t1
@@ -342,14 +392,16 @@ class Trainer:
             bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses.values()),
                             tok_s=f"{tokens / (time.time() - t0):.0f}")
             self.history.append({"step": self.step, "loss": losses, "lr": lr_at(self.step - 1, cfg)})
-            if self.step % cfg.val_every == 0 or self.step == cfg.steps:
+            if (self.step % cfg.val_every == 0 or self.step == cfg.steps) and self.rank == 0:
                 v = self.validate()
                 self.history[-1]["val"] = v
                 for label, r in v.items():
                     bar.write(f"step {self.step} {label}: val loss {r['loss']:.4f} top-1 by depth "
                               f"{r['top1_by_depth']}")
             if self.step % cfg.save_every == 0 or self.step in (cfg.steps, until):
-                self.save_state()
+                if self.rank == 0:
+                    self.save_state()
+                _barrier(self.world)
         bar.close()
         final = next((h["val"] for h in reversed(self.history) if "val" in h), {})
         result = {"steps": self.step, "train_tokens": tokens, "seconds": round(time.time() - t0, 1),
@@ -362,7 +414,7 @@ class Trainer:
                                             if c.compute_s else None}
         for st in self.students:
             result["drafters"][st.label] = {"seconds": round(st.seconds, 1), "final_val": final.get(st.label)}
-            if self.step == cfg.steps and (self.out / st.label).exists():
+            if self.rank == 0 and self.step == cfg.steps and (self.out / st.label).exists():
                 info = {"data": cfg.data, "data_tokens": self.train_tokens, "epochs": cfg.epochs,
                         "steps": cfg.steps, "batch_size": cfg.batch_size, "max_len": cfg.max_len,
                         "vocab_ids": cfg.vocab_ids, "threads": torch.get_num_threads(), "train_tokens": tokens,
@@ -375,14 +427,15 @@ class Trainer:
     @torch.no_grad()
     def validate(self, every: int = 7) -> dict[str, dict]:
         """Per drafter: validation loss and top-1 agreement with the target's greedy token at draft
-        depth 1..6 (depth = steps ahead of the last verified context), with a fixed `every`."""
+        depth 1..6 (depth = steps ahead of the last verified context), with a fixed `every`, over the
+        answer rows of the target's own answers."""
         for st in self.students:
             st.drafter.eval()
         res = {st.label: {"loss": [], "agree": [], "depth": []} for st in self.students}
         for ex in self.val:
             tp = self.target_pass(ex, "val")
             for st in self.students:
-                loss, s = self.sequence_loss(st, ex, tp, every, curriculum=False)
+                loss, s = self.sequence_loss(st, ex, tp, every, curriculum=False, answer_only=True)
                 r = res[st.label]
                 r["loss"].append(loss.item())
                 r["agree"].append(s["agree"])

@@ -1,0 +1,92 @@
+"""Learning curve: validation top-1 agreement at draft depth 1..6 against training tokens, for
+drafters trained side by side on the same data (MoA N=0 and EAGLE-2 by default).
+
+One run over a seeded subset of the largest budget, one epoch, constant learning rate after warm-up,
+validated when it has seen each budget: a budget's point is the drafter after exactly that many
+distinct tokens, and a smaller budget's tokens are a prefix of a larger one's. Writes curve.json and
+curve.png into the run folder; a stopped run resumes.
+
+    python -m moaspec.training.curve --model smollm2-135m --data data/smollm2-135m-v2-seed0 \
+        --out runs/curve-smol --points 60000,120000,250000,500000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moaspec.training.train import TrainConfig, Trainer
+
+
+def run(cfg: TrainConfig, points: list[int]) -> dict:
+    points = sorted(points)
+    cfg.data_tokens, cfg.epochs, cfg.lr_min = points[-1], 1.0, cfg.lr
+    cfg.val_every = cfg.save_every = 10**9  # validation happens at the budgets below
+    tr = Trainer(cfg)
+    seen, steps = 0, []
+    for step in range(cfg.steps):
+        seen += sum(len(e.ids) for e in tr.batch(step))
+        while len(steps) < len(points) and seen >= points[len(steps)]:
+            steps.append((points[len(steps)], step + 1, seen))
+    while len(steps) < len(points):  # the subset came out a little short of the largest budget
+        steps.append((points[len(steps)], cfg.steps, seen))
+    out = Path(cfg.out)
+    path = out / "curve.json"
+    rows = json.loads(path.read_text())["points"] if path.exists() else []
+    done = {r["budget"] for r in rows}
+    for budget, step, tokens in steps:
+        if budget in done:
+            continue
+        result = tr.run(until=step)
+        rows.append({"budget": budget, "tokens": tokens, "step": step, "val": tr.validate(),
+                     "feature_extraction": result.get("feature_extraction"), "seconds": result["seconds"]})
+        path.write_text(json.dumps({"model": cfg.model, "data": cfg.data, "kinds": cfg.kind,
+                                    "batch_size": cfg.batch_size, "lr": cfg.lr, "points": rows}, indent=1))
+    plot(rows, out / "curve.png", cfg.model)
+    return {"points": rows}
+
+
+def plot(rows: list[dict], path: Path, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(rows[0]["val"])
+    fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), sharey=True, squeeze=False)
+    for ax, label in zip(axes[0], labels, strict=True):
+        for depth in ("1", "2", "3", "6"):
+            xs = [r["tokens"] for r in rows]
+            ys = [r["val"][label]["top1_by_depth"].get(depth, r["val"][label]["top1_by_depth"].get(int(depth)))
+                  for r in rows]
+            ax.plot(xs, ys, marker="o", label=f"depth {depth}")
+        ax.set_xscale("log")
+        ax.set_title(f"{label} ({model})")
+        ax.set_xlabel("training tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation top-1 agreement")
+    axes[0][-1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--kind", default="moa,eagle")
+    p.add_argument("--points", default="60000,120000,250000,500000")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--val-sequences", type=int, default=64)
+    a = p.parse_args()
+    cfg = TrainConfig(model=a.model, data=a.data, out=a.out, kind=a.kind, batch_size=a.batch_size, lr=a.lr,
+                      val_sequences=a.val_sequences)
+    print(json.dumps(run(cfg, [int(x) for x in a.points.split(",")]), indent=1))
+
+
+if __name__ == "__main__":
+    main()
