@@ -228,3 +228,17 @@ def test_data_parallel_training_matches_one_process(tmp_path):
         moved = sum(int(((one[k].float() - init[k].float()).abs() > 1e-6).sum()) for k in one)
         apart = sum(int(((one[k].float() - two[k].float()).abs() > 1e-6).sum()) for k in one)
         assert moved > 1000 and apart < 0.05 * moved, (label, apart, moved)
+
+
+def test_eagle_is_sized_to_moa_parameter_count():
+    from moaspec.drafters import eagle
+    from moaspec.models.runtime import ModelConfig
+    from moaspec.models.store import resolve
+    from moaspec.training.train import matched_eagle_config
+
+    c = ModelConfig.from_folder(resolve("smollm2-135m"))
+    common = dict(vocab_ids=16384, target_name="smollm2-135m", target_fingerprint="x")
+    want = moa.MoADrafter(moa.MoAConfig.for_target(c, **common)).num_trainable_parameters()
+    got = eagle.EagleDrafter(matched_eagle_config(c, common)).num_trainable_parameters()
+    default = eagle.EagleDrafter(eagle.EagleConfig.for_target(c, **common)).num_trainable_parameters()
+    assert abs(got - want) < 0.02 * want and abs(default - want) > 0.2 * want

@@ -65,6 +65,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 100
     feature_cache: bool = True
+    match_params: bool = True  # EAGLE-2's MLP sized so that it has MoA N=0's trainable parameter count
     device: str = "cpu"  # "cuda" (the target's features computed there, drafters under bf16 autocast)
 
 
@@ -142,6 +143,17 @@ def top_vocab(examples: list[Example], k: int, vocab_size: int) -> torch.Tensor:
     return torch.tensor(sorted(ranked))
 
 
+def matched_eagle_config(target_cfg, common: dict) -> eagle.EagleConfig:
+    """EAGLE-2's config with the MLP width (a multiple of 64) that gives it the trainable parameter
+    count of MoA N=0 for the same target, as the paper compares them (e.g. Qwen 0.5B: 11.7M vs
+    11.6M, where a target-shaped layer would have 16.5M)."""
+    want = moa.MoADrafter(moa.MoAConfig.for_target(target_cfg, **common)).num_trainable_parameters()
+    D = target_cfg.hidden_size
+    base = eagle.EagleDrafter(eagle.EagleConfig.for_target(target_cfg, mlp=64, **common)).num_trainable_parameters()
+    mlp = max(64, round((want - base) / (3 * D) / 64) * 64 + 64)
+    return eagle.EagleConfig.for_target(target_cfg, mlp=mlp, **common)
+
+
 def _distributed(device: str) -> tuple[int, int, torch.device]:
     """(rank, world size, this process's device). Under a launcher that sets WORLD_SIZE (torchrun,
     accelerate), joins its process group: NCCL on CUDA, gloo on CPU."""
@@ -211,8 +223,9 @@ class Trainer:
                 dcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=n, **common)
                 drafter = moa.MoADrafter.from_target(self.target, dcfg, vocab)
             elif kind == "eagle":
-                drafter = eagle.EagleDrafter.from_target(self.target, eagle.EagleConfig.for_target(
-                    self.target.cfg, **common), vocab)
+                ecfg = matched_eagle_config(self.target.cfg, common) if cfg.match_params else \
+                    eagle.EagleConfig.for_target(self.target.cfg, **common)
+                drafter = eagle.EagleDrafter.from_target(self.target, ecfg, vocab)
             else:
                 drafter = independent.IndependentDrafter.from_target(
                     self.target, independent.IndependentConfig.for_target(self.target.cfg, **common), vocab)
