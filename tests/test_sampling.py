@@ -7,6 +7,8 @@ test uses a seeded generator, so the outcome is deterministic.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections import Counter
 
@@ -16,7 +18,7 @@ from conftest import chat_ids
 from prompts import PROMPTS
 
 from moaspec.decoding.sampling import SamplingParams, sample, target_probs
-from moaspec.decoding.tree import Tree
+from moaspec.decoding.tree import DraftDist, DraftSampling, Tree, TreeConfig, grow_tree
 from moaspec.decoding.verify import Verdict, verify
 from moaspec.errors import UserError
 
@@ -325,3 +327,182 @@ def test_verify_sampling_is_lossless_real_full_vocab(real_tree_setup):
     stat, dof = first_token_test(tree, logits, SamplingParams(temperature=0.8, top_k=50), n)
     assert dof >= 5
     assert stat < chi2_critical(dof), f"chi-square {stat:.1f} on {dof} dof (critical {chi2_critical(dof):.1f})"
+
+
+# --------------------------------------------------------------------------- (d) sampled drafts
+V_SD = 5
+SD_PARAMS = SamplingParams(temperature=1.0)
+
+
+@functools.cache
+def sd_target(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A toy target: fixed arbitrary next-token logits for every prefix (int tuples hash the same in
+    every process)."""
+    g = torch.Generator().manual_seed(hash((1, *prefix)) % 2**31)
+    return torch.randn(V_SD, generator=g) * 1.5
+
+
+@functools.cache
+def sd_draft(prefix: tuple[int, ...]) -> DraftDist:
+    """A toy drafter's q for every prefix: unlike the target's p, and with one token left out."""
+    g = torch.Generator().manual_seed(hash((2, *prefix)) % 2**31)
+    q = torch.softmax(torch.randn(V_SD, generator=g, dtype=torch.float64) * 1.5, -1)
+    q[q.argmin()] = 0.0
+    ids = q.nonzero().flatten().tolist()
+    return DraftDist(tuple(ids), tuple((q[ids] / q.sum()).tolist()))
+
+
+def draw_without_replacement(q: DraftDist, n: int, g: torch.Generator) -> list[int]:
+    """n tokens drawn one after another from q, each from q without the earlier ones, renormalised."""
+    probs = torch.tensor(q.probs, dtype=torch.float64)
+    out = []
+    for _ in range(min(n, len(q.ids))):
+        i = int(torch.multinomial(probs, 1, generator=g))
+        out.append(q.ids[i])
+        probs[i] = 0.0
+    return out
+
+
+def sampled_tree(prefix: tuple[int, ...], g: torch.Generator, shape: tuple[int, ...]) -> Tree:
+    """A tree whose node at depth d has shape[d] children sampled without replacement from its q."""
+    tokens, parents, dists = [prefix[-1] if prefix else 0], [-1], {}
+
+    def grow(node: int, path: tuple[int, ...]) -> None:
+        depth = len(path) - len(prefix)
+        if depth == len(shape):
+            return
+        dists[node] = sd_draft(path)
+        for x in draw_without_replacement(dists[node], shape[depth], g):
+            tokens.append(x)
+            parents.append(node)
+            grow(len(tokens) - 1, (*path, x))
+
+    grow(0, prefix)
+    return Tree(tokens, parents, dists=dists)
+
+
+def sd_logprobs(prefix: tuple[int, ...]) -> torch.Tensor:
+    """The toy drafter as log-probs, for grow_tree: at T=1 its `draft_dist` is `sd_draft`."""
+    q = sd_draft(prefix)
+    lp = torch.full((V_SD,), float("-inf"))
+    lp[list(q.ids)] = torch.tensor(q.probs).log()
+    return lp
+
+
+def grown_tree(prefix: tuple[int, ...], g: torch.Generator, cfg: TreeConfig) -> Tree:
+    """The toy drafter's tree as the engine gets it: grow_tree with a per-call seed from `g`."""
+
+    def expand(tree: Tree, frontier: list[int]) -> torch.Tensor:
+        return torch.stack([sd_logprobs((*prefix, *(tree.tokens[i] for i in tree.path_to(f)[1:]))) for f in frontier])
+
+    sampling = DraftSampling(SD_PARAMS, int(torch.randint(2**62, (), generator=g)))
+    return grow_tree(prefix[-1] if prefix else 0, sd_logprobs(prefix), expand, cfg.sampled(sampling))
+
+
+def first_three_counts(verifier, propose, n: int) -> tuple[Counter, int]:
+    """Counts of the first three tokens of n toy generations, each round a fresh sampled tree
+    (`propose(prefix, generator)`) verified against the toy target; and how many rounds accepted a
+    child that was not its parent's first draw."""
+    g_draft, g_target = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
+    counts: Counter = Counter()
+    later_sibling = 0
+    for _ in range(n):
+        out: tuple[int, ...] = ()
+        while len(out) < 3:
+            tree = propose(out, g_draft)
+            paths = [(*out, *(tree.tokens[i] for i in tree.path_to(node)[1:])) for node in range(len(tree))]
+            v = verifier(tree, torch.stack([sd_target(p) for p in paths]), SD_PARAMS, g_target)
+            later_sibling += any(tree.children[a].index(b) > 0 for a, b in zip(v.path, v.path[1:], strict=False))
+            out = (*out, *v.new_tokens)
+        counts[out[:3]] += 1
+    return counts, later_sibling
+
+
+@functools.cache
+def first_three_law() -> dict[tuple[int, ...], float]:
+    law = {}
+    for seq in itertools.product(range(V_SD), repeat=3):
+        law[seq] = math.prod(float(target_probs(sd_target(seq[:i]), SD_PARAMS)[seq[i]]) for i in range(3))
+    return law
+
+
+def test_draft_dist_and_tree_validation():
+    q = DraftDist((3, 1), (0.75, 0.25))
+    Tree([0, 3, 1], [-1, 0, 0], dists={0: q})  # distinct draws from q, in any order
+    for tokens, dists in (([0, 3, 3], {0: q}), ([0, 3, 2], {0: q}), ([0, 3, 1], {5: q}),
+                          ([0, 3, 1], {0: DraftDist((3, 1), (0.5, 0.1))})):
+        with pytest.raises(ValueError):
+            Tree(tokens, [-1, 0, 0], dists=dists)
+
+
+SD_TREES = {
+    "chain": (functools.partial(sampled_tree, shape=(1, 1, 1)), 8000, False),
+    "siblings": (functools.partial(sampled_tree, shape=(3, 2)), 10_000, True),
+    "grow_tree": (functools.partial(grown_tree, cfg=TreeConfig(depth=3, topk=2, total_tokens=4)), 8000, True),
+}
+
+
+@pytest.mark.parametrize("name", SD_TREES)
+def test_verify_sampled_drafts_exact_law(name):
+    """Chain: Leviathan/Chen speculative sampling. Siblings: recursive rejection sampling without
+    replacement, with rounds that accept a later sibling. grow_tree: the sampled EAGLE-2 tree, whose
+    shape depends on what was drawn. Each way the first three tokens follow the target exactly."""
+    propose, n, siblings = SD_TREES[name]
+    counts, later_sibling = first_three_counts(verify, propose, n)
+    stat, dof = chi_square(counts, first_three_law(), n)
+    assert dof >= 40
+    assert stat < chi2_critical(dof), f"chi-square {stat:.1f} on {dof} dof (critical {chi2_critical(dof):.1f})"
+    assert (later_sibling > n // 20) == siblings, later_sibling
+
+
+def rrs_wrong(tree, logits, params, generator, *, remove: bool, residual: bool):
+    """WRONG variants of recursive rejection sampling over sampled children: q keeps the rejected child
+    (`remove` False: the law of sampling WITH replacement), or p is not replaced by its residual."""
+    path, node = [0], 0
+    while True:
+        p = target_probs(logits[node], params).double()
+        dist = tree.dists.get(node)
+        nxt = None
+        if dist is not None:
+            q = torch.zeros_like(p)
+            q[list(dist.ids)] = torch.tensor(dist.probs, dtype=torch.float64)
+            for c in tree.children[node]:
+                x = tree.tokens[c]
+                if float(torch.rand((), generator=generator)) * float(q[x]) < float(p[x]):
+                    nxt = c
+                    break
+                if residual:
+                    p = (p - q).clamp_min(0.0)
+                    p /= p.sum()
+                if remove:
+                    q[x] = 0.0
+                    q /= q.sum()
+        if nxt is None:
+            return Verdict(path, [tree.tokens[i] for i in path[1:]], sample(p, generator))
+        path.append(nxt)
+        node = nxt
+
+
+def pruned_tree(prefix: tuple[int, ...], g: torch.Generator) -> Tree:
+    """WRONG: three children drawn and the two most likely kept, as EAGLE-2's rerank would keep them:
+    which draws stay then depends on what they are."""
+    tree = sampled_tree(prefix, g, shape=(3,))
+    q = dict(zip(tree.dists[0].ids, tree.dists[0].probs, strict=True))
+    kept = sorted(sorted(tree.children[0], key=lambda c: -q[tree.tokens[c]])[:2])
+    return Tree([tree.tokens[0], *(tree.tokens[c] for c in kept)], [-1, 0, 0], dists=tree.dists)
+
+
+WRONG_SD = {
+    "q-keeps-rejected": (functools.partial(rrs_wrong, remove=False, residual=True), SD_TREES["siblings"][0]),
+    "no-residual": (functools.partial(rrs_wrong, remove=True, residual=False), SD_TREES["siblings"][0]),
+    "rerank-drops-draws": (verify, pruned_tree),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_SD)
+def test_sampled_drafts_chi_square_has_power(name):
+    verifier, propose = WRONG_SD[name]
+    n = 4000
+    counts, _ = first_three_counts(verifier, propose, n)
+    stat, dof = chi_square(counts, first_three_law(), n)
+    assert stat > chi2_critical(dof), f"a wrong verifier passed: chi-square {stat:.1f} on {dof} dof"

@@ -43,11 +43,20 @@ def test_shipped_drafter_is_lossless_and_useful(trained, plain_greedy):
     assert sum(taus) / len(taus) > 1.2, (kind, taus)
 
 
-def test_shipped_drafter_samples(trained):
+def test_shipped_drafter_samples(trained, monkeypatch):
+    """At T > 0 the drafts are sampled (every drafted tree states its q), unless switched off."""
     kind, dec = trained
-    cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingParams(temperature=1.0, seed=0))
-    g = dec.generate(PROMPTS[0], cfg)
-    assert 1 <= g.metrics.new_tokens <= 32 and g.metrics.tau >= 1.0
+    trees = []
+    verify = dec.engine.target.verify
+    monkeypatch.setattr(dec.engine.target, "verify", lambda tree: trees.append(tree) or verify(tree))
+    for sampled in (True, False):
+        trees.clear()
+        cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingParams(temperature=1.0, seed=0),
+                               sampled_drafts=sampled)
+        g = dec.generate(PROMPTS[0], cfg)
+        assert 1 <= g.metrics.new_tokens <= 32 and g.metrics.tau >= 1.0
+        drafted = [t for t in trees if len(t) > 1]
+        assert drafted and all(bool(t.dists) == sampled for t in drafted), kind
 
 
 QWEN = "qwen2.5-coder-0.5b"

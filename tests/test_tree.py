@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 
 import pytest
 import torch
 
-from moaspec.decoding.tree import PAPER_GPU_TREE, AdaptiveChain, Tree, TreeConfig, grow_tree, tree_for_costs
+from moaspec.decoding.sampling import SamplingParams, target_probs
+from moaspec.decoding.tree import (
+    PAPER_GPU_TREE,
+    AdaptiveChain,
+    DraftSampling,
+    Tree,
+    TreeConfig,
+    _children_per_node,
+    grow_tree,
+    tree_for_costs,
+)
 from moaspec.drafters.lookup import LookupDrafter
 from moaspec.errors import UserError
 from moaspec.pipeline import plausible_costs
@@ -176,6 +188,77 @@ def test_grow_tree_vocab_map():
     assert mapped.tokens[1:] == [int(vocab[t]) for t in plain.tokens[1:]]
     assert mapped.parents == plain.parents
     assert mapped.scores == pytest.approx(plain.scores)
+
+
+# --------------------------------------------------------------------------- grow_tree, sampled children
+def _sampled(cfg: TreeConfig, seed: int, **kw) -> TreeConfig:
+    return cfg.sampled(DraftSampling(SamplingParams(temperature=1.0, **kw), seed))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"d{c.depth}k{c.topk}n{c.total_tokens}")
+def test_grow_sampled_tree_shape(cfg):
+    """Children are distinct draws from their parent's stated q (the drafter's distribution at the
+    generation's sampling params), listed in drawing order; depth, top-k and total are kept; no more
+    expand calls than EAGLE-2's; scores are cumulative log q; a seed gives one tree."""
+    trees = []
+    for seed in range(6):
+        drafter = SyntheticDrafter()
+        tree = grow_tree(3, _logprobs(()), drafter, _sampled(cfg, seed, top_k=5))
+        trees.append((tree.tokens, tree.parents))
+        assert max(tree.depths) <= cfg.depth and 1 <= len(tree) - 1 <= cfg.total_tokens
+        assert all(len(c) <= min(cfg.topk, 5) for c in tree.children)
+        assert len(drafter.calls) <= cfg.depth - 1 and all(1 <= len(f) <= cfg.topk for f in drafter.calls)
+        assert set(tree.dists) == {n for n in range(len(tree)) if tree.children[n]}
+        for node, dist in tree.dists.items():
+            path = drafter.path(tree, node)
+            q = target_probs(_logprobs(path).topk(5).values, SamplingParams(temperature=DraftSampling.sharpen))
+            assert dist.ids == tuple(_logprobs(path).topk(5).indices.tolist())
+            assert dist.probs == pytest.approx(q.tolist(), abs=1e-6)
+            prob = dict(zip(dist.ids, dist.probs, strict=True))
+            for c in tree.children[node]:
+                assert tree.scores[c] == pytest.approx(tree.scores[node] + math.log(prob[tree.tokens[c]]), abs=1e-5)
+        again = grow_tree(3, _logprobs(()), SyntheticDrafter(), _sampled(cfg, seed, top_k=5))
+        assert (again.tokens, again.parents, again.dists) == (tree.tokens, tree.parents, tree.dists)
+    assert len(set(map(str, trees))) > 1
+
+
+def test_grow_sampled_tree_draws_without_replacement_in_order():
+    """Root children of a 2-child tree: the first ~ q, the second ~ q without the first, renormalised."""
+    cfg, n = TreeConfig(depth=1, topk=2, total_tokens=2), 6000
+    q = torch.softmax(_logprobs(()).double() / DraftSampling.sharpen, -1)  # drafted at T x sharpen
+    law = {(a, b): float(q[a] * q[b] / (1 - q[a])) for a in range(V) for b in range(V) if a != b}
+    counts = Counter(tuple(grow_tree(3, _logprobs(()), SyntheticDrafter(), _sampled(cfg, seed)).tokens[1:])
+                     for seed in range(n))
+    stat = sum((counts[k] - n * v) ** 2 / (n * v) for k, v in law.items())
+    assert sum(counts.values()) == n and set(counts) <= set(law)
+    assert stat < 75, stat  # chi-square, 41 dof: p = 0.001 at 74.7
+
+
+def test_children_per_node_follows_confidence():
+    """The budget goes deep under a confident q and wide under a flat one, as EAGLE-2's rerank does."""
+    confident = torch.tensor([[0.95, 0.05]]).log()
+    flat = torch.tensor([[0.5, 0.5]]).log()
+    assert _children_per_node([0.0], confident, budget=4, levels=4) == [1]
+    assert _children_per_node([0.0], flat, budget=3, levels=4) == [2]
+    assert _children_per_node([0.0, -3.0], flat.expand(2, 2), budget=3, levels=2) == [2, 0]
+    assert _children_per_node([0.0], torch.tensor([[0.0, float("-inf")]]), budget=3, levels=1) == [1]
+
+
+def test_grow_sampled_tree_vocab_map():
+    vocab = torch.tensor([101, 57, 230, 14, 999, 3, 77])
+    cfg = _sampled(TreeConfig(depth=3, topk=2, total_tokens=4), 11)
+    plain = grow_tree(5, _logprobs(()), SyntheticDrafter(), cfg)
+    mapped = grow_tree(5, _logprobs(()), SyntheticDrafter(vocab), cfg, vocab=vocab)
+    assert mapped.tokens[1:] == [int(vocab[t]) for t in plain.tokens[1:]] and mapped.parents == plain.parents
+    for node, dist in plain.dists.items():
+        assert mapped.dists[node].ids == tuple(int(vocab[t]) for t in dist.ids)
+
+
+def test_draft_sampling_validation():
+    with pytest.raises(UserError):
+        DraftSampling(SamplingParams(), seed=0)  # greedy: drafts are the top-k
+    with pytest.raises(UserError):
+        DraftSampling(SamplingParams(temperature=1.0), seed=0, top_m=0)
 
 
 # --------------------------------------------------------------------------- LookupDrafter

@@ -25,7 +25,7 @@ from moaspec.models.store import DEFAULT_MODEL, MODELS
 
 EXIT_USAGE = 2
 EXIT_INTERRUPT = 130
-_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig) if f.name not in ("adaptive", "sampling")}
+_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig) if f.name != "adaptive"}
 
 
 class _UsageError(Exception):
@@ -95,8 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train on a seeded subset of about this many tokens (0 = all): points of a learning curve")
     tr.add_argument("--no-feature-cache", action="store_true",
                     help="run the target for every step instead of caching its features on disk")
-    tr.add_argument("--batch-size", type=int, default=4)
+    tr.add_argument("--batch-size", type=int, default=4,
+                    help="sequences per step, shared among the processes of a data-parallel launch "
+                         "(torchrun --nproc-per-node N -m moaspec train ...)")
     tr.add_argument("--max-len", type=int, default=1024)
+    tr.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast for the drafters)")
     tr.add_argument("--lr", type=float, default=6e-4)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--val-every", type=int, default=100)
@@ -448,7 +451,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(model=args.model, data=args.data, out=args.out, kind=args.kind, tli_layers=args.tli,
                       vocab_ids=args.vocab, steps=args.steps, epochs=args.epochs, data_tokens=args.data_tokens,
                       feature_cache=not args.no_feature_cache, batch_size=args.batch_size, max_len=args.max_len,
-                      lr=args.lr, seed=args.seed, val_every=args.val_every)
+                      lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device)
     print(json.dumps(Trainer(cfg).run()))
     return 0
 

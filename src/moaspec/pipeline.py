@@ -82,27 +82,32 @@ class SpecDecoder:
         max_seq_len: int = 4096,
         device: str = "cpu",
         warmup: bool = True,
+        hybrid_model: str = "moa",
+        hybrid_policy: str = "switch",
     ):
         t = time.perf_counter()
         self.model_name = model
         self.folder = resolve(model)
         self.tokenizer = load_tokenizer(self.folder)
         self.target = Transformer(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
-        self.set_drafter(drafter, draft_model=draft_model, drafter_path=drafter_path, tree=tree)
+        self.set_drafter(drafter, draft_model=draft_model, drafter_path=drafter_path, tree=tree,
+                         hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
         if warmup:
             self.target.warmup()
         self.load_s = time.perf_counter() - t
 
     def set_drafter(self, drafter: str = "none", draft_model: str | None = None, drafter_path: str | None = None,
-                    tree: TreeConfig | str | None = None) -> None:
+                    tree: TreeConfig | str | None = None, hybrid_model: str = "moa",
+                    hybrid_policy: str = "switch") -> None:
         """Swap the drafter (and tree shape: "auto" = calibrated for this machine, "adaptive[:depth]" = a
         chain whose length follows live acceptance) on the loaded target: benchmarks compare drafters on
-        one copy of the target's weights."""
+        one copy of the target's weights. `hybrid_model`/`hybrid_policy`: the parts of `hybrid`."""
         if isinstance(tree, str) and tree != "auto":
             tree = TreeConfig.parse(tree)
             if not tree.adaptive:
                 raise UserError(f"tree must be 'auto', 'adaptive[:depth]' or a TreeConfig, got {tree!r}")
-        self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path)
+        self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path,
+                                     hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
         costs = None
         if tree == "auto":
             costs = self.pass_costs() if self.drafter is not None else None

@@ -11,8 +11,9 @@ Methods:
   `hf-assisted`: transformers assisted generation with the target's default draft model;
   `llama.cpp` and `llama.cpp-spec`: llama.cpp on the shipped GGUF, plain and with the default draft
   model (`bench.llamacpp`; optional, built by `make llama-cpp`);
-- engine drafters `lookup`, `model` (a same-tokenizer draft LM), and the trained `independent`,
-  `eagle`, `moa`, `moa-n1`, `moa-n3` loaded from checkpoint folders named so.
+- engine drafters `lookup`, `suffix`, `model` (a same-tokenizer draft LM), and the trained `independent`,
+  `eagle`, `moa`, `moa-n1`, `moa-n3` loaded from checkpoint folders named so;
+- `hybrid` and `hybrid-merge`: the suffix drafter with the `moa` checkpoint, policies switch and merge.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from moaspec.pipeline import SpecDecoder
 
 PEERS = ("hf", "hf-assisted", "llama.cpp", "llama.cpp-spec")
 TRAINED_METHODS = ("independent", "eagle", "moa", "moa-n1", "moa-n3")
-METHODS = ("plain", *PEERS, "lookup", "model", *TRAINED_METHODS)
+HYBRID_METHODS = {"hybrid": "switch", "hybrid-merge": "merge"}  # suffix + the moa checkpoint, by policy
+METHODS = ("plain", *PEERS, "lookup", "suffix", "model", *TRAINED_METHODS, *HYBRID_METHODS)
 # Candidate trees of the sweep: chains, small CPU trees, and the paper's GPU default for contrast.
 SWEEP_TREES = (TreeConfig(1, 1, 1), TreeConfig(2, 1, 2), TreeConfig(3, 1, 3), TreeConfig(4, 1, 4),
                TreeConfig(5, 1, 5), TreeConfig(3, 2, 4), TreeConfig(4, 2, 6), TreeConfig(4, 4, 6),
@@ -73,6 +75,7 @@ class Method:
     drafter: str = "none"  # engine drafter name, or a peer name
     path: str | None = None
     draft_model: str | None = None
+    policy: str = "switch"  # of a hybrid drafter
 
 
 def checkpoint_dir(cfg: BenchConfig, method: str) -> Path:
@@ -99,6 +102,13 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
     names = ["plain"] + [n for n in dict.fromkeys(names) if n != "plain"]
     out = []
     for n in names:
+        if n in HYBRID_METHODS:
+            folder = checkpoint_dir(cfg, "moa")
+            if not (folder / "config.json").exists():
+                raise UserError(f"method {n} needs a moa checkpoint at {folder}; train one with `moaspec train "
+                                f"--model {cfg.model} --kind moa ...` or pass --checkpoints DIR")
+            out.append(Method(n, "hybrid", str(folder), policy=HYBRID_METHODS[n]))
+            continue
         if n in TRAINED_METHODS:
             folder = checkpoint_dir(cfg, n)
             if not (folder / "config.json").exists():
@@ -157,7 +167,8 @@ class Bench:
             if m.name in PEERS:
                 continue
             tree = (trees or {}).get(m.name) or self._tree()
-            self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree)
+            self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
+                                 hybrid_policy=m.policy)
             self.engines[m.name] = self.dec.engine
             self.trees[m.name] = self.dec.engine.tree
         self._hf = None
@@ -251,7 +262,8 @@ class Bench:
         engines = {}
         for name, m in cands.items():
             for tree in trees:
-                self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree)
+                self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
+                                     hybrid_policy=m.policy)
                 engines[(name, tree)] = self.dec.engine
         plain = Method("plain")
         tok = {k: 0 for k in engines} | {("plain", None): 0}

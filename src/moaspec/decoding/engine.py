@@ -1,6 +1,8 @@
 """The speculative decoding loop: propose, verify, observe; plain decoding is the empty drafter.
 
-The engine does not know which drafter runs or whether the target is remote.
+The engine does not know which drafter runs or whether the target is remote. At T > 0 it asks the
+drafter for sampled children (`SampledTreeConfig`), seeded per call from a random stream of the
+generation's own, apart from the target's.
 """
 
 from __future__ import annotations
@@ -9,11 +11,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.target import TargetSide
-from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig
+from moaspec.decoding.tree import AdaptiveChain, DraftSampling, Tree, TreeConfig
 from moaspec.drafters.base import Drafter
 from moaspec.errors import ContextLengthError, UserError
+
+DRAFT_STREAM = 1  # SamplingParams.generator stream of the drafts' seeds
 
 
 @dataclass
@@ -22,6 +28,9 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # At T > 0, sample draft children from the drafter's distribution (accepted up to 1 - TV(p, q) per
+    # draft) rather than take its top-k (accepted with p(x)); both are exact. No effect at T = 0.
+    sampled_drafts: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -111,6 +120,7 @@ class Engine:
             self.drafter.begin(prompt, step.context)
         if self.adapt is not None:
             self.adapt.reset()
+        drafts = cfg.sampling.generator(DRAFT_STREAM) if cfg.sampled_drafts and not cfg.sampling.greedy else None
         new = step.verdict.new_tokens
         root = new[-1]
         while True:
@@ -127,7 +137,9 @@ class Engine:
             yield Chunk(new)
 
             t1 = time.perf_counter()
-            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens)
+            sampling = None if drafts is None else \
+                DraftSampling(cfg.sampling, int(torch.randint(2**62, (), generator=drafts)))
+            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens, sampling)
             t2 = time.perf_counter()
             step = self.target.verify(tree)
             t3 = time.perf_counter()
@@ -143,7 +155,7 @@ class Engine:
             new = v.new_tokens
             root = v.bonus
 
-    def _propose(self, root: int, remaining: int) -> Tree:
+    def _propose(self, root: int, remaining: int, sampling: DraftSampling | None) -> Tree:
         # A draft deeper than the tokens still wanted, or than the cache holds, is wasted work.
         room = min(remaining - 1, self.target.max_seq_len - self.target.length - 1)
         if self.drafter is None or room <= 0:
@@ -154,4 +166,4 @@ class Engine:
             cfg = TreeConfig(d, 1, d)
         if room < cfg.total_tokens or room < cfg.depth:
             cfg = replace(cfg, depth=min(cfg.depth, room), total_tokens=min(cfg.total_tokens, room))
-        return self.drafter.propose(root, cfg)
+        return self.drafter.propose(root, cfg if sampling is None else cfg.sampled(sampling))

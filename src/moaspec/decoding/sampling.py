@@ -32,9 +32,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def generator(self) -> torch.Generator:
+    def generator(self, stream: int = 0) -> torch.Generator:
+        """A generator seeded from `seed` (at random without one). Stream 0 is the target's draws;
+        another stream gives the drafter a sequence of its own from the same seed, so that a seeded
+        generation is reproducible and drafts never reuse the target's random numbers."""
         g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        if self.seed is None:
+            g.manual_seed(torch.seed())
+        elif stream == 0:
+            g.manual_seed(self.seed)
+        else:  # odd constants: the low 32 bits (all that MT19937 uses) never equal stream 0's for any seed
+            g.manual_seed((self.seed * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9) % 2**64)
         return g
 
 

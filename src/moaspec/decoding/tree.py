@@ -1,4 +1,4 @@
-"""Draft trees as plain data, and EAGLE-2's dynamic expansion.
+"""Draft trees as plain data, and EAGLE-2's dynamic expansion (top-k or sampled children).
 
 Node 0 is the root: the last emitted token, not yet in the target's cache. Every other node is a
 drafted token whose parent index is smaller than its own, so parents come before children and one
@@ -7,12 +7,38 @@ target pass can score the whole tree with an ancestor mask and depth-based posit
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from moaspec.decoding.sampling import SamplingParams, target_probs
 from moaspec.errors import UserError
+
+DRAFT_TOP_M = 32  # q keeps the drafter's m most likely tokens: small enough to send with the tree
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """How the children of a tree are sampled at T > 0: without replacement from q, the drafter's own
+    distribution at the generation's `params` (top-k, top-p; temperature times `sharpen`) restricted
+    to its `top_m` most likely tokens and renormalised. Any stated q keeps the output exact; a sharper
+    q than the generation's suits drafters less confident than their target (measured at T=1: at half
+    the temperature, first-draft acceptance 0.98-1.06x of top-k drafts on Qwen 0.5B, where q at the
+    full temperature gave 0.77-0.88x, and 1.15-1.29x on SmolLM2). `seed` seeds this call's draws; the
+    engine takes it from a stream of its own, so drafts never share the target's random numbers."""
+
+    params: SamplingParams
+    seed: int
+    top_m: int = DRAFT_TOP_M
+    sharpen: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.params.greedy:
+            raise UserError("drafts are sampled only at temperature > 0; at 0 the tree takes the top-k children")
+        if self.top_m < 1 or not 0.0 < self.sharpen <= 1.0:
+            raise UserError(f"draft sampling needs top_m >= 1 and sharpen in (0, 1], got {self.top_m}, {self.sharpen}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +74,19 @@ class TreeConfig:
     def label(self) -> str:
         return f"adaptive chain <= {self.depth}" if self.adaptive else \
             f"d{self.depth}/k{self.topk}/t{self.total_tokens}"
+
+    def sampled(self, sampling: DraftSampling) -> SampledTreeConfig:
+        """This shape with sampled children."""
+        return SampledTreeConfig(**{f.name: getattr(self, f.name) for f in fields(TreeConfig)}, sampling=sampling)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampledTreeConfig(TreeConfig):
+    """A tree shape whose children are to be sampled (`grow_sampled_tree`): what the engine asks of a
+    drafter at T > 0. A drafter that cannot sample (prompt lookup) takes it as the plain shape; its
+    tree is then verified as drafted, which is exact too."""
+
+    sampling: DraftSampling
 
 
 ADAPTIVE_MAX_DEPTH = 8
@@ -138,11 +177,26 @@ class AdaptiveChain:
         self.pass_ms = pass_ if self.pass_ms is None else ema * self.pass_ms + (1 - ema) * pass_
 
 
+@dataclass(frozen=True)
+class DraftDist:
+    """q of one parent node: the sparse distribution (target token ids, probabilities summing to 1)
+    its children were sampled from, without replacement, in the order of their node indices."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
 @dataclass
 class Tree:
+    """A draft tree. `dists` maps a parent node to the `DraftDist` its children were sampled from;
+    the children of any other node were proposed deterministically (top-k, lookup). Verification
+    treats the two kinds differently (`decoding/verify.py`), so a drafter must never add children
+    of its own choosing under a sampled parent."""
+
     tokens: list[int]
     parents: list[int]
-    scores: list[float] = field(default_factory=list)  # cumulative draft log-prob; root 0
+    scores: list[float] = field(default_factory=list)  # cumulative draft log-prob (of q when sampled); root 0
+    dists: dict[int, DraftDist] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.scores:
@@ -154,6 +208,12 @@ class Tree:
                 raise ValueError(f"tree node {i} has parent {p}: parents must come before children")
             self.depths[i] = self.depths[p] + 1
             self.children[p].append(i)
+        for node, q in self.dists.items():
+            prob = dict(zip(q.ids, q.probs, strict=True))
+            kids = [self.tokens[c] for c in self.children[node]] if 0 <= node < len(self.tokens) else None
+            if (kids is None or len(prob) != len(q.ids) or abs(sum(q.probs) - 1.0) > 1e-3
+                    or len(set(kids)) != len(kids) or any(prob.get(t, 0.0) <= 0.0 for t in kids)):
+                raise ValueError(f"the children of tree node {node} are not distinct draws from its q")
 
     @classmethod
     def chain(cls, root: int, drafts: list[int] = ()) -> Tree:
@@ -194,7 +254,7 @@ def grow_tree(
     cfg: TreeConfig,
     vocab: torch.Tensor | None = None,
 ) -> Tree:
-    """EAGLE-2 dynamic tree (PAPER.md section 5).
+    """EAGLE-2 dynamic tree (PAPER.md section 5); for a `SampledTreeConfig`, `grow_sampled_tree`.
 
     Step 1 takes the top-k children of the root; each further step expands the k frontier nodes with
     top-k children each, scores them by cumulative log-prob and keeps the best k as the new frontier.
@@ -204,6 +264,8 @@ def grow_tree(
     tokens, parents, scores = [root], [-1], [0.0]
     if cfg.depth == 0 or cfg.total_tokens == 0:
         return Tree(tokens, parents, scores)
+    if isinstance(cfg, SampledTreeConfig):
+        return grow_sampled_tree(root, root_logprobs, expand, cfg, vocab)
 
     def add(parent_nodes: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> list[int]:
         first = len(tokens)
@@ -245,3 +307,82 @@ def grow_tree(
         [-1] + [index[parents[i]] for i in kept],
         [0.0] + [scores[i] for i in kept],
     )
+
+
+def draft_dist(logprobs: torch.Tensor, s: DraftSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """q for rows of drafter log-probs [f, V]: (drafter-vocab ids [f, m], probs [f, m]), the top m
+    tokens under the generation's top-k / top-p and its temperature times `sharpen`, renormalised."""
+    top = logprobs.float().topk(min(s.top_m, logprobs.shape[-1]), dim=-1)
+    return top.indices, target_probs(top.values, replace(s.params, temperature=s.params.temperature * s.sharpen))
+
+
+def _children_per_node(bases: list[float], logq: torch.Tensor, budget: int, levels: int) -> list[int]:
+    """How many children each frontier node draws now: those among the `budget` best nodes of a
+    projected tree in which every node below a frontier node drafts like that node (its sorted log q,
+    `logq` [f, k], -inf past its support), `levels` deep, ranked by cumulative log q as EAGLE-2 ranks.
+    A confident q so keeps a chain, a flat one a bush."""
+    counts = [0] * len(bases)
+    # (-score, level below the frontier, tie-break, frontier node, sibling rank, parent's score)
+    heap = [(-(b + float(logq[u, 0])), 0, u, u, 0, b) for u, b in enumerate(bases)]
+    heapq.heapify(heap)
+    tie = len(heap)
+    while heap and budget > 0:
+        neg, level, _, u, j, base = heapq.heappop(heap)
+        budget -= 1
+        counts[u] += level == 0
+        nxt = [(base + float(logq[u, j + 1]), level, j + 1, base)] if j + 1 < logq.shape[1] else []
+        if level + 1 < levels:
+            nxt.append((-neg + float(logq[u, 0]), level + 1, 0, -neg))
+        for score, lvl, jj, b in nxt:
+            if score > float("-inf"):
+                heapq.heappush(heap, (-score, lvl, tie, u, jj, b))
+                tie += 1
+    return counts
+
+
+def grow_sampled_tree(
+    root: int,
+    root_logprobs: torch.Tensor,
+    expand: ExpandFn,
+    cfg: SampledTreeConfig,
+    vocab: torch.Tensor | None = None,
+) -> Tree:
+    """EAGLE-2's expansion with children sampled without replacement from q (`draft_dist`), for
+    recursive rejection sampling (`decoding/verify.py`), which is exact only if the children of each
+    node are the first n draws from its q with n fixed before they are drawn.
+
+    So a drawn node is never dropped (EAGLE-2's final rerank would keep or drop a child by its own
+    probability), and each level fixes its counts before drawing: the frontier is the best k nodes of
+    the level above by cumulative log q, and `_children_per_node` shares the rest of the budget of
+    `total_tokens` from their q alone. Children are listed in the order they were drawn (Gumbel top-n).
+    """
+    s = cfg.sampling
+    g = torch.Generator().manual_seed(s.seed)
+    tokens, parents, scores, dists = [root], [-1], [0.0], {}
+    level_nodes, budget = [0], cfg.total_tokens
+    for level in range(cfg.depth):
+        frontier = sorted(level_nodes, key=lambda i: -scores[i])[: cfg.topk]
+        logprobs = root_logprobs[None] if level == 0 else expand(Tree(list(tokens), list(parents), list(scores)),
+                                                                 frontier)
+        ids, q = draft_dist(logprobs, s)
+        logq = q.log()
+        k = min(cfg.topk, q.shape[1])
+        counts = _children_per_node([scores[u] for u in frontier], logq.topk(k, dim=-1).values,
+                                    budget, cfg.depth - level)
+        first = len(tokens)
+        for r, u in enumerate(frontier):
+            if not counts[r]:
+                continue
+            gumbel = -torch.empty_like(q[r]).exponential_(generator=g).log()
+            drawn = (logq[r] + gumbel).topk(counts[r]).indices  # sequential draws without replacement
+            support = (q[r] > 0).nonzero().flatten()
+            mapped = ids[r] if vocab is None else vocab[ids[r]]
+            dists[u] = DraftDist(tuple(mapped[support].tolist()), tuple(q[r, support].tolist()))
+            tokens.extend(mapped[drawn].tolist())
+            parents.extend([u] * len(drawn))
+            scores.extend((scores[u] + logq[r, drawn]).tolist())
+        level_nodes = list(range(first, len(tokens)))
+        budget -= len(level_nodes)  # every level draws at least one node while budget is left
+        if budget <= 0:
+            break
+    return Tree(tokens, parents, scores, dists)

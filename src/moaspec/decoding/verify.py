@@ -1,12 +1,23 @@
 """Tree verification: a pure function of (tree, target logits, sampling params, rng).
 
 It runs where the target runs, so a remote drafter never needs the target's logits.
-Greedy: follow the child that equals the target's argmax. Sampling: recursive rejection sampling
-over each node's children with the draft probability of a tried child taken as 1 (PAPER.md
-section 5): accept child x with probability p(x), else remove x from p, renormalise and try the next
-sibling; if none is accepted, sample the bonus from the residual. Each emitted token is then
-distributed exactly as the target's p, whatever the tree, because the tree never depends on the
-target's random draws.
+Greedy: follow the child that equals the target's argmax. Sampling, at each node on the path, by
+recursive rejection sampling over its children, of one of two kinds:
+
+- children proposed deterministically (top-k, lookup): the draft probability of a tried child is
+  taken as 1 (PAPER.md section 5): accept child x with probability p(x), else remove x from p,
+  renormalise and try the next sibling in score order;
+- children sampled without replacement from a stated q (`Tree.dists`; Jeon et al. 2024, "Recursive
+  Speculative Decoding"): in sampling order, accept x with probability min(1, p(x) / q(x)), else
+  p <- norm(max(p - q, 0)) and q <- q without x, renormalised. One child is Leviathan/Chen's
+  speculative sampling. Given the rejections so far the next child is a draw from the current q, so
+  each step emits its current p exactly; a rejected x had p(x) < q(x), so it leaves p with no mass.
+  This needs the children to be the first n draws with n chosen before drawing them
+  (`grow_sampled_tree`): a drafter that kept the likelier of its draws would bias the output.
+
+If no child is accepted, the bonus is sampled from what is left of p. Each emitted token is then
+distributed exactly as the target's p, because the tree (and q) never depends on the target's
+random draws.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from moaspec.decoding.sampling import SamplingParams, sample, target_probs
-from moaspec.decoding.tree import Tree
+from moaspec.decoding.tree import DraftDist, Tree
 
 
 @dataclass
@@ -40,21 +51,46 @@ def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams, generator: 
             nxt = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
         else:
             p = target_probs(logits[node], params)
-            nxt = None
-            for c in sorted(tree.children[node], key=lambda c: -tree.scores[c]):
-                x = tree.tokens[c]
-                if float(torch.rand((), generator=generator)) < float(p[x]):
-                    nxt = c
-                    break
-                p[x] = 0.0
-                total = p.sum()
-                if total <= 0:  # p(x) was 1 up to round-off: x is the only token left
-                    nxt = c
-                    break
-                p /= total
+            q = tree.dists.get(node)
+            nxt, p = _try_drafted(tree, node, p, generator) if q is None else _try_sampled(tree, node, p, q, generator)
             if nxt is None:
                 token = sample(p, generator)
         if nxt is None:
             return Verdict(path, [tree.tokens[i] for i in path[1:]], token)
         path.append(nxt)
         node = nxt
+
+
+def _try_drafted(tree: Tree, node: int, p: torch.Tensor, generator: torch.Generator) -> tuple[int | None, torch.Tensor]:
+    """Deterministic children, best score first: (the accepted child or None, the residual p)."""
+    for c in sorted(tree.children[node], key=lambda c: -tree.scores[c]):
+        x = tree.tokens[c]
+        if float(torch.rand((), generator=generator)) < float(p[x]):
+            return c, p
+        p[x] = 0.0
+        total = p.sum()
+        if total <= 0:  # p(x) was 1 up to round-off: x is the only token left
+            return c, p
+        p /= total
+    return None, p
+
+
+def _try_sampled(tree: Tree, node: int, p: torch.Tensor, dist: DraftDist,
+                 generator: torch.Generator) -> tuple[int | None, torch.Tensor]:
+    """Children sampled without replacement from `dist`, in sampling order: (the accepted child or
+    None, the residual p). In float64: the residuals subtract nearly equal distributions."""
+    p = p.double()
+    q = torch.zeros_like(p)
+    q[list(dist.ids)] = torch.tensor(dist.probs, dtype=torch.float64)
+    for c in tree.children[node]:
+        x = tree.tokens[c]
+        q /= q.sum()
+        if float(torch.rand((), generator=generator)) * float(q[x]) < float(p[x]):
+            return c, p
+        p = (p - q).clamp_min_(0.0)
+        total = p.sum()
+        if total <= 0:  # p == q up to round-off: x could not have been rejected
+            return c, p
+        p /= total
+        q[x] = 0.0
+    return None, p

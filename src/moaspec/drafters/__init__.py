@@ -12,8 +12,11 @@ if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
     from moaspec.pipeline import SpecDecoder
 
-DRAFTERS = ("auto", "none", "lookup", "model", "moa", "eagle", "independent")
+DRAFTERS = ("auto", "none", "lookup", "suffix", "hybrid", "model", "moa", "eagle", "independent")
 TRAINED = ("moa", "eagle", "independent")  # drafters loaded from a checkpoint folder
+# `hybrid` = the suffix drafter + one of these (its --drafter-path / --draft-model), per `HYBRID_POLICIES`
+HYBRID_MODELS = ("model", *TRAINED)
+HYBRID_POLICIES = ("switch", "merge")
 
 # The same-tokenizer draft model a target gets when `--draft-model` is not given. SmolLM2 drafts
 # for itself: useless for speed, but every draft is then accepted at T=0, a sharp engine test.
@@ -43,8 +46,8 @@ def resolve_auto(model: str) -> str:
     return "lookup"
 
 
-def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None,
-                  drafter_path: str | None = None) -> Drafter | None:
+def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None, drafter_path: str | None = None,
+                  hybrid_model: str = "moa", hybrid_policy: str = "switch") -> Drafter | None:
     if name == "auto":
         name = resolve_auto(dec.model_name)
     if name == "none":
@@ -53,6 +56,19 @@ def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None,
         from moaspec.drafters.lookup import LookupDrafter
 
         return LookupDrafter()
+    if name == "suffix":
+        from moaspec.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter()
+    if name == "hybrid":
+        from moaspec.drafters.hybrid import HybridDrafter
+        from moaspec.drafters.suffix import SuffixDrafter
+
+        if hybrid_model not in HYBRID_MODELS:
+            raise UserError(f"the hybrid drafter pairs the suffix drafter with one of {', '.join(HYBRID_MODELS)}; "
+                            f"got {hybrid_model!r}")
+        model = build_drafter(hybrid_model, dec, draft_model=draft_model, drafter_path=drafter_path)
+        return HybridDrafter(SuffixDrafter(), model, hybrid_policy)
     if name == "model":
         from moaspec.drafters.draft_model import DraftModelDrafter
         from moaspec.models.runtime import Transformer

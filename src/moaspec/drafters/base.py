@@ -20,4 +20,6 @@ class Drafter(Protocol):
         """`tokens` (the last root + the accepted drafts) were committed to the target's cache."""
 
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
-        """A draft tree rooted at `root`, the last emitted token."""
+        """A draft tree rooted at `root`, the last emitted token. For a `SampledTreeConfig` (T > 0) a
+        drafter with a distribution samples the children and states q in the tree (`grow_tree` does
+        both); one without (lookup) drafts as for the plain shape."""

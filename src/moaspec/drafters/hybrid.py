@@ -1,0 +1,314 @@
+"""Hybrid drafting: a nearly free drafter (suffix, or prompt lookup) with a model drafter (MoA by default).
+
+Why: on a CPU a draft step of a trained drafter costs a visible share of a target step, while the free
+drafter costs microseconds and is often right where the text repeats its context or earlier answers
+(ArcticInference's suffix + speculator, RASD's retrieval + draft trees). Both drafters see every
+`begin`/`observe`, so the model drafter's context is current whenever it is asked to draft; its
+target-side encoder is the hybrid's `encoder`.
+
+Each source's node probabilities (the free drafter's path probabilities from counts, the model's
+softmax) are calibrated online against what verification accepted: a factor per source = accepted
+nodes / the sum of the conditional probabilities of its nodes that were looked at (decayed). The
+model's acceptance by depth and the live verify and draft times give the value of a model draft
+before it is drafted.
+
+Policies (both keep to the tree shape asked for):
+- `switch`: per round, the free draft when its expected accepted length (the sum of its calibrated
+  path probabilities) reaches what a model draft would bring for its cost (`_threshold`), else the
+  model's draft. The model drafts the chain length, up to the one asked for, with the most expected
+  tokens per millisecond by its own acceptance: the adaptive chain picks one length from the rounds of
+  both sources together.
+- `merge`: one tree: the free draft and the model's draft merged by prefix, then the `total_tokens`
+  most probable nodes (calibrated) kept, as RASD does. The model is not run when the free draft alone
+  fills the budget with nodes likelier than the model's measured first-token acceptance. Sampled model
+  children (T > 0, `Tree.dists`) are kept whole and in draw order, with no free sibling beside them:
+  verification is exact only for the drafter's own draws.
+
+Neither policy drafts past the length asked for, even where the suffix is sure of a long copy: replayed
+on the benchmark's own answers with this CPU's row costs, a suffix chain run on past d while its path
+probability stayed >= 0.7 raised tau (2.05 from 1.90) but lost speed (rows past the 4th cost ~0.13 of a
+step each), and `AdaptiveChain.update` counts a tree as a chain of len(tree) - 1 tokens, whose per-depth
+statistics and row costs stop at its max depth.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from moaspec.decoding.tree import DraftDist, Tree, TreeConfig
+from moaspec.drafters import HYBRID_POLICIES
+from moaspec.drafters.base import Drafter
+from moaspec.errors import UserError
+
+FREE, MODEL = "free", "model"
+
+
+class _Calibration:
+    """accepted / sum of the conditional probabilities the source gave its looked-at nodes; decayed,
+    with a prior of 1 worth `prior` nodes."""
+
+    def __init__(self, decay: float = 0.95, prior: float = 2.0):
+        self.decay, self.prior = decay, prior
+        self.hits = self.mass = 0.0
+
+    @property
+    def factor(self) -> float:
+        return (self.hits + self.prior) / (self.mass + self.prior)
+
+    def update(self, looked: list[tuple[float, bool]]) -> None:
+        self.hits *= self.decay
+        self.mass *= self.decay
+        for q, hit in looked:
+            self.mass += q
+            self.hits += hit
+
+
+class _DepthRates:
+    """P(the model's node at depth j is accepted | depth j - 1 was), decayed, each depth leaning on the
+    one above (as `decoding.tree.AdaptiveChain` does): the expected accepted length of a model chain."""
+
+    def __init__(self, max_depth: int = 64, decay: float = 0.95):
+        self.decay = decay
+        self.offered = [0.0] * max_depth
+        self.hits = [0.0] * max_depth
+
+    def rates(self, d: int) -> list[float]:
+        out, a = [], 0.5
+        for j in range(min(d, len(self.offered))):
+            a = (self.hits[j] + 2 * a) / (self.offered[j] + 2)
+            out.append(a)
+        return out
+
+    def expected(self, d: int) -> list[float]:
+        """Expected accepted tokens of model chains of 1..d tokens."""
+        out, reach, total = [], 1.0, 0.0
+        for a in self.rates(d):
+            reach *= a
+            total += reach
+            out.append(total)
+        return out
+
+    def update(self, looked: dict[int, bool]) -> None:
+        """`looked`: depth (1-based) -> whether the model's node there was accepted."""
+        self.offered = [x * self.decay for x in self.offered]
+        self.hits = [x * self.decay for x in self.hits]
+        for depth, hit in looked.items():
+            if depth <= len(self.offered):
+                self.offered[depth - 1] += 1
+                self.hits[depth - 1] += hit
+
+
+@dataclass
+class _Draft:
+    """A draft tree with, per node, each source's own conditional probability and the calibrated path
+    probability the hybrid ranks it by (node 0 is the root). `dists`: the sampled parents (`Tree.dists`)."""
+
+    tokens: list[int]
+    parents: list[int]
+    raw: list[dict[str, float]]
+    prob: list[float]
+    depths: list[int]
+    dists: dict[int, DraftDist] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tree: Tree, source: str, factor: float) -> _Draft:
+        raw: list[dict[str, float]] = [{}]
+        prob = [1.0]
+        for i in range(1, len(tree)):
+            p = tree.parents[i]
+            q = math.exp(min(0.0, tree.scores[i] - tree.scores[p]))
+            raw.append({source: q})
+            prob.append(prob[p] * min(1.0, factor * q))
+        return cls(list(tree.tokens), list(tree.parents), raw, prob, list(tree.depths), dict(tree.dists))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def expected(self) -> float:
+        """Expected accepted length: the sum of the nodes' calibrated path probabilities."""
+        return sum(self.prob[1:])
+
+    def keep(self, nodes: set[int]) -> _Draft:
+        """The sub-draft of `nodes` (closed under ancestors), in the same order (sampled siblings stay in
+        draw order), level by level."""
+        order = sorted(nodes, key=lambda i: (self.depths[i], i))
+        index = {0: 0, **{old: new for new, old in enumerate(order, start=1)}}
+        pick = [0, *order]
+        return _Draft([self.tokens[i] for i in pick], [-1, *(index[self.parents[i]] for i in order)],
+                      [self.raw[i] for i in pick], [self.prob[i] for i in pick], [self.depths[i] for i in pick],
+                      {index[i]: q for i, q in self.dists.items() if i in index})
+
+    def tree(self) -> Tree:
+        return Tree(list(self.tokens), list(self.parents), [math.log(max(p, 1e-30)) for p in self.prob],
+                    dict(self.dists))
+
+
+def merge_drafts(model: _Draft, free: _Draft) -> _Draft:
+    """Union of two drafts from the same root, shared prefixes merged (a node's sources are both drafts'
+    and its probability the larger). The model's nodes come first, in their order; a free node that
+    would be a new child of a sampled model node is left out, with its subtree."""
+    out = _Draft([model.tokens[0]], [-1], [{}], [1.0], [0], {0: model.dists[0]} if 0 in model.dists else {})
+    index: dict[tuple[int, int], int] = {}  # (parent, token) -> node of out
+    for d in (model, free):
+        where = {0: 0}
+        for i in range(1, len(d)):
+            if d.parents[i] not in where:
+                continue
+            parent = where[d.parents[i]]
+            node = index.get((parent, d.tokens[i]))
+            if node is None:
+                if d is free and parent in out.dists:
+                    continue
+                node = index[(parent, d.tokens[i])] = len(out)
+                out.tokens.append(d.tokens[i])
+                out.parents.append(parent)
+                out.raw.append({})
+                out.prob.append(0.0)
+                out.depths.append(out.depths[parent] + 1)
+            out.raw[node] = {**out.raw[node], **d.raw[i]}
+            out.prob[node] = max(out.prob[node], d.prob[i])
+            where[i] = node
+            if i in d.dists:
+                out.dists[node] = d.dists[i]
+    return out
+
+
+class HybridDrafter:
+    """A free drafter and a model drafter behind one `Drafter` (see the module doc for the policies)."""
+
+    name = "hybrid"
+
+    def __init__(self, free: Drafter, model: Drafter, policy: str = "switch"):
+        if policy not in HYBRID_POLICIES:
+            raise UserError(f"unknown hybrid policy {policy!r}; choose one of {', '.join(HYBRID_POLICIES)}")
+        self.free, self.model, self.policy = free, model, policy
+        self.encoder = model.encoder  # the target encodes context for the model drafter only
+        self.calibration = {FREE: _Calibration(), MODEL: _Calibration()}
+        self.model_rates = _DepthRates()
+        self.verify_ms: float | None = None  # one verification, as seen between propose and observe
+        self.step_ms: float | None = None  # one model draft token
+        self.rounds = {FREE: 0, MODEL: 0, "both": 0, "none": 0}  # whose nodes the verified trees held
+        self._last: _Draft | None = None
+        self._proposed_at: float | None = None
+
+    # ------------------------------------------------------------------ Drafter protocol
+    def begin(self, prompt: list[int], context: Any = None) -> None:
+        self.free.begin(prompt, None)
+        self.model.begin(prompt, context)
+        self._last = self._proposed_at = None
+
+    def observe(self, tokens: list[int], context: Any = None) -> None:
+        if self._proposed_at is not None:
+            self.verify_ms = _ema(self.verify_ms, (time.perf_counter() - self._proposed_at) * 1e3)
+        self.free.observe(tokens, None)
+        self.model.observe(tokens, context)
+        if self._last is not None:
+            self._learn(self._last, tokens[1:])
+        self._last = self._proposed_at = None
+
+    def propose(self, root: int, cfg: TreeConfig) -> Tree:
+        free = _Draft.of(self.free.propose(root, cfg), FREE, self.calibration[FREE].factor)
+        if cfg.topk == 1:  # a chain (the adaptive chain asks for d, 1, d): the model's own best length
+            d = self._model_length(cfg.depth)
+            model_cfg = replace(cfg, depth=d, total_tokens=d)
+        else:
+            model_cfg = cfg
+        if self.policy == "merge":
+            draft = self._merge(root, cfg, free, model_cfg)
+        elif len(free) > 1 and free.expected >= self._threshold(model_cfg.depth):
+            draft = free
+        else:
+            draft = self._model_draft(root, model_cfg)
+        self._last = draft
+        self.rounds[_label(draft)] += 1
+        self._proposed_at = time.perf_counter()
+        return draft.tree()
+
+    # ------------------------------------------------------------------ choices
+    def _model_draft(self, root: int, cfg: TreeConfig) -> _Draft:
+        t = time.perf_counter()
+        tree = self.model.propose(root, cfg)
+        if len(tree) > 1:
+            self.step_ms = _ema(self.step_ms, (time.perf_counter() - t) * 1e3 / (len(tree) - 1))
+        return _Draft.of(tree, MODEL, self.calibration[MODEL].factor)
+
+    def _model_length(self, d: int) -> int:
+        """The model chain length (<= d) with the most expected tokens per millisecond. Extra verified rows
+        are taken as free: the adaptive chain's d already weighs them."""
+        if self.verify_ms is None or self.step_ms is None or d <= 1:
+            return d
+        rates = [(1 + e) / (self.verify_ms + j * self.step_ms) for j, e in enumerate(self.model_rates.expected(d), 1)]
+        return max(range(len(rates)), key=rates.__getitem__) + 1
+
+    def _threshold(self, d: int) -> float:
+        """The expected accepted length a free draft needs to beat a d-token model draft: the model's
+        expected accepted length, discounted by what its draft steps cost against a verification."""
+        e = self.model_rates.expected(d)[-1] if d > 0 else 0.0
+        if self.verify_ms is None or self.step_ms is None:
+            return e
+        return (1 + e) * self.verify_ms / (self.verify_ms + d * self.step_ms) - 1
+
+    def _merge(self, root: int, cfg: TreeConfig, free: _Draft, model_cfg: TreeConfig) -> _Draft:
+        budget = cfg.total_tokens
+        best_free = sorted(free.prob[1:], reverse=True)
+        if len(best_free) >= budget and (budget == 0 or best_free[budget - 1] >= self._first()):
+            return free  # the free nodes fill the budget, each likelier than a model node is expected to be
+        model = self._model_draft(root, model_cfg)
+        both = merge_drafts(model, free)
+        nodes = range(1, len(both))
+        if model.dists:  # sampled: keep every draw, fill the rest of the budget with free nodes
+            keep = {i for i in nodes if MODEL in both.raw[i]}
+            rest = sorted((i for i in nodes if i not in keep), key=lambda i: (-both.prob[i], i))
+            keep |= set(rest[:max(0, budget - len(keep))])
+        else:
+            keep = set(sorted(nodes, key=lambda i: (-both.prob[i], i))[:budget])
+        for i in list(keep):  # ancestors too (probabilities fall along a path, so this only settles ties)
+            p = both.parents[i]
+            while p > 0 and p not in keep:
+                keep.add(p)
+                p = both.parents[p]
+        return both.keep(keep)
+
+    def _first(self) -> float:
+        """The model's measured acceptance at depth 1: what its best node is worth, before drafting it."""
+        return self.model_rates.rates(1)[0]
+
+    # ------------------------------------------------------------------ learning from the verdict
+    def _learn(self, draft: _Draft, accepted: list[int]) -> None:
+        """Calibrate each source on the nodes verification looked at: the children of the accepted path."""
+        children: list[list[int]] = [[] for _ in draft.tokens]
+        for i in range(1, len(draft)):
+            children[draft.parents[i]].append(i)
+        looked: dict[str, list[tuple[float, bool]]] = {FREE: [], MODEL: []}
+        model_depths: dict[int, bool] = {}
+        node = 0
+        for depth, tok in enumerate([*accepted, None], start=1):
+            nxt = None
+            for c in children[node]:
+                hit = draft.tokens[c] == tok
+                nxt = c if hit else nxt
+                for source, q in draft.raw[c].items():
+                    looked[source].append((q, hit))
+                if MODEL in draft.raw[c]:
+                    model_depths[depth] = model_depths.get(depth, False) or hit
+            if nxt is None:
+                break
+            node = nxt
+        for source, nodes in looked.items():
+            if nodes:
+                self.calibration[source].update(nodes)
+        if model_depths:
+            self.model_rates.update(model_depths)
+
+
+def _ema(old: float | None, new: float, keep: float = 0.8) -> float:
+    return new if old is None else keep * old + (1 - keep) * new
+
+
+def _label(draft: _Draft) -> str:
+    sources = {s for raw in draft.raw[1:] for s in raw}
+    return "both" if len(sources) == 2 else (sources.pop() if sources else "none")
