@@ -1,6 +1,14 @@
 """Building blocks shared by the trained drafters (MoA, EAGLE-2, independent): pre-norm decoder
 layers with GQA + RoPE and a batch-1 KV cache for drafting, cross-attention, and the target's own
-frozen layers run on drafted positions."""
+frozen layers run on drafted positions.
+
+Each attention block has two paths over the same weights. `forward` is the reference math (autograd,
+training, validation). `infer` is the inference path for drafting and context encoding: the block's
+projections fused into few `models.linear.Linear` kernels in the target's weight mode (`BlockKernels`:
+q|k|v or k|v in one matrix, gate|up in one; fbgemm fp16 at every row count in "fp16" mode), RoPE with
+the rotate-half sign folded into a precomputed sine table (`signed_sin`), attention that reads the K/V
+once for a few query rows (`attend_rows`) and in-place elementwise tails. It computes what `forward`
+computes up to the weight mode's rounding (tests/test_moa.py, tests/test_draft_fast_path.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +44,11 @@ def apply_rows(fast: Linear, x: torch.Tensor) -> torch.Tensor:
     return fast(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], fast.out_features)
 
 
+def _weights_key(params: list[torch.Tensor], mode: str) -> tuple:
+    """Changes whenever one of `params` is written (optimiser step, load_state_dict, .to()) or the mode."""
+    return (mode, *[(p._version, p.data_ptr()) for p in params])
+
+
 class DraftLinear(nn.Linear):
     """nn.Linear that, outside autograd (drafting, validation), runs through the decoding-tuned
     `models.linear.Linear` kernels in the target's weight mode: drafting multiplies 1-16 rows, where
@@ -43,15 +56,19 @@ class DraftLinear(nn.Linear):
 
     mode = "fp32"  # set to the target's weight mode by TargetBoundDrafter.attach
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not drafting_rows(x):
-            return super().forward(x)
-        key = (self.weight._version, self.weight.data_ptr(), self.mode)
+    def kernel(self) -> Linear:
+        """This layer as a `Linear` in `mode` (any row count; inference only), rebuilt when the weights change."""
+        key = _weights_key([self.weight] if self.bias is None else [self.weight, self.bias], self.mode)
         if getattr(self, "_fast_key", None) != key:
             bias = None if self.bias is None else self.bias.detach()
             self._fast = Linear(self.weight.detach(), bias, self.mode)
             self._fast_key = key
-        return apply_rows(self._fast, x)
+        return self._fast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not drafting_rows(x):
+            return super().forward(x)
+        return apply_rows(self.kernel(), x)
 
 
 class SwiGLU(nn.Module):
@@ -91,6 +108,45 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """A RoPE sine table [..., d] with the rotate-half sign folded in: `rope_rows` needs no negation."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` (HF rotate-half) as x * cos + roll(x, d/2) * signed_sin(sin): 3 ops instead of 6."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
+GROUPED_ROWS = 8  # up to this many query rows, `attend_rows` runs each KV head's query heads as one group
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """GQA attention for rows: q [B, n, H, d] (rows, heads); k, v [B, Hkv, m, d]; mask bool [n, m]
+    (True = may attend) or None -> [B, n, H * d], the heads of each row side by side (`_merge_heads`).
+
+    A few query rows over many keys (drafting: 1-8 rows over the cached context) run as r * n rows of
+    one attention group per KV head, r = H / Hkv, reading the K/V once (SDPA's enable_gqa repeats them:
+    ~35% slower there); more rows (the LSA: L rows over L keys per token) run SDPA's GQA, faster there."""
+    B, n, H, d = q.shape
+    Hkv = k.shape[1]
+    r = H // Hkv
+    if n > GROUPED_ROWS:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(B, n, H * d)
+    qg = q.view(B, n, Hkv, r, d).permute(0, 2, 3, 1, 4).reshape(B, Hkv, r * n, d)
+    if mask is not None and r > 1:
+        mask = mask.repeat(r, 1)  # group row j * n + i is query row i
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    return out.view(B, Hkv, r, n, d).permute(0, 3, 1, 2, 4).reshape(B, n, H * d)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` with one temporary fewer (same operations in the same order, so the same rounding)."""
+    return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
+
+
 def _split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     b, n, _ = x.shape
     return x.view(b, n, heads, head_dim).transpose(1, 2)
@@ -99,6 +155,37 @@ def _split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
 def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     b, h, n, d = x.shape
     return x.transpose(1, 2).reshape(b, n, h * d)
+
+
+class BlockKernels:
+    """The inference kernels of one attention block (`_AttentionBlock.kernels`): its projections as
+    `Linear`s in the target's weight mode, fused where they share an input (q|k|v for self-attention,
+    k|v of the context for cross-attention, gate|up), and its norm weights (the block's input norm must
+    be an `RMSNorm`). Fusing changes how many kernel calls (and weight streams) a drafting step makes,
+    not the math (each output element is the same dot product, up to the kernel's summation order)."""
+
+    def __init__(self, block: _AttentionBlock, mode: str):
+        def w(lin: nn.Linear) -> torch.Tensor:
+            return lin.weight.detach()
+
+        def fused(*lins: nn.Linear) -> Linear:
+            return Linear(torch.cat([w(lin) for lin in lins]) if len(lins) > 1 else w(lins[0]), None, mode)
+
+        if isinstance(block, CrossAttentionLayer):
+            self.q, self.kv = fused(block.q), fused(block.k, block.v)  # queries per step, k|v per context token
+        else:
+            self.qkv = fused(block.q, block.k, block.v)
+        self.o = fused(block.o)
+        self.gate_up = fused(block.mlp.gate, block.mlp.up)
+        self.down = fused(block.mlp.down)
+        self.mlp = block.mlp.gate.out_features
+        self.ln1, self.ln2 = block.input_norm.weight.detach(), block.post_norm.weight.detach()
+        self.eps = block.input_norm.eps
+
+
+def _rows(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    """`lin` over x [..., in] (inference, any row count) -> [..., out]."""
+    return lin(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], lin.out_features)
 
 
 class _AttentionBlock(nn.Module):
@@ -131,6 +218,24 @@ class _AttentionBlock(nn.Module):
         x = x + self.o(_merge_heads(_attention(q, k, v, mask)))
         return x + self.mlp(self.post_norm(x))
 
+    def kernels(self) -> BlockKernels:
+        """The block's `BlockKernels` in its layers' weight mode, rebuilt whenever a weight changes.
+        Fetch once per drafting round (it checks every weight's version) and pass to `infer`."""
+        params = getattr(self, "_kernel_params", None)
+        if params is None:
+            params = self._kernel_params = list(self.parameters())
+        key = _weights_key(params, self.q.mode)
+        if getattr(self, "_kernels_key", None) != key:
+            self._kernels = BlockKernels(self, self.q.mode)
+            self._kernels_key = key
+        return self._kernels
+
+    def _infer_tail(self, x: torch.Tensor, att: torch.Tensor, kern: BlockKernels) -> torch.Tensor:
+        """`_residual` on the inference path: x [B, n, dim] + o(att), then + the MLP of its post-norm."""
+        x = x + _rows(kern.o, att)
+        gu = _rows(kern.gate_up, rms_norm_rows(x, kern.ln2, kern.eps))
+        return x.add_(_rows(kern.down, F.silu(gu[..., :kern.mlp]).mul_(gu[..., kern.mlp:])))
+
 
 class DecoderLayer(_AttentionBlock):
     """Pre-norm self-attention decoder layer with GQA, RoPE and a SwiGLU MLP (SA and LSA)."""
@@ -153,6 +258,29 @@ class DecoderLayer(_AttentionBlock):
             k, v = cache.update(start, k, v)
         return self._residual(x, q, k, v, mask)
 
+    def infer(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+        kern: BlockKernels | None = None,
+    ) -> torch.Tensor:
+        """`forward` on the inference path (no autograd): x [B, n, dim]; cos and `signed_sin` tables
+        [n, head_dim] (or [1, head_dim] for rows at one position); mask bool [n, m] or None (no mask:
+        every slot, as `forward`). Never writes into x."""
+        kern = kern or self.kernels()
+        B, n, _ = x.shape
+        H, Hkv, d = self.heads, self.kv_heads, self.head_dim
+        qkv = _rows(kern.qkv, rms_norm_rows(x, kern.ln1, kern.eps)).view(B, n, H + 2 * Hkv, d)
+        qk = rope_rows(qkv[:, :, :H + Hkv], cos[:, None], sin_signed[:, None])
+        k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(start, k, v)
+        return self._infer_tail(x, attend_rows(qk[:, :, :H], k, v, mask), kern)
+
 
 class CrossAttentionLayer(_AttentionBlock):
     """Queries from the SA stream, keys/values from the context vectors of verified tokens; the same
@@ -172,6 +300,24 @@ class CrossAttentionLayer(_AttentionBlock):
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self._residual(x, self._q(self.input_norm(x), cos, sin), k, v, mask)
+
+    def context_kv_infer(self, c: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                         kern: BlockKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`context_kv` on the inference path: c [B, m, dim] -> k, v [B, kv_heads, m, head_dim] (views)."""
+        kern = kern or self.kernels()
+        B, m, _ = c.shape
+        kv = _rows(kern.kv, rms_norm_rows(c, kern.ln1, kern.eps)).view(B, m, 2 * self.kv_heads, self.head_dim)
+        k = rope_rows(kv[:, :, :self.kv_heads], cos[:, None], sin_signed[:, None])
+        return k.transpose(1, 2), kv[:, :, self.kv_heads:].transpose(1, 2)
+
+    def infer(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              kern: BlockKernels | None = None) -> torch.Tensor:
+        """`forward` on the inference path without a mask (every context slot in k, v): x [B, n, dim]."""
+        kern = kern or self.kernels()
+        B, n, _ = x.shape
+        q = rope_rows(_rows(kern.q, rms_norm_rows(x, kern.ln1, kern.eps)).view(B, n, self.heads, self.head_dim),
+                      cos[:, None], sin_signed[:, None])
+        return self._infer_tail(x, attend_rows(q, k, v, None), kern)
 
 
 def _frozen_linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -32,12 +32,14 @@ from torch import nn
 
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.layers import (
+    BlockKernels,
     CrossAttentionLayer,
     DecoderLayer,
     DraftLinear,
     FrozenTargetLayer,
     KVCache,
     rope,
+    signed_sin,
 )
 from moaspec.drafters.trained import (
     TargetBoundConfig,
@@ -213,6 +215,7 @@ class ContextEncoder(nn.Module):
         cos, sin = rope(cfg.rope_theta, cfg.lsa_head_dim, cfg.num_layers)  # positions 0..L-1 = layers
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # the inference path's table
 
     def layer_states(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """k, v [..., L, Hkv, d] -> LSA outputs [..., L, 2*Hkv*d] (before the mean over layers)."""
@@ -226,11 +229,26 @@ class ContextEncoder(nn.Module):
         -> context vectors [B, T, D]."""
         return self.proj(self.layer_states(k, v).mean(-2))
 
+    # tokens per LSA call on the inference path: a chunk's activations ([chunk * L, 2*Hkv*d] floats) stay
+    # in the L2 cache, where one call over a long prompt allocates and streams them from memory
+    CHUNK = 32
+
     @torch.no_grad()
     def encode(self, target: Transformer, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> MoAContext:
-        """The `decoding.target.ContextEncoder` protocol: context for newly committed cache slots."""
+        """The `decoding.target.ContextEncoder` protocol: context for newly committed cache slots.
+        `forward` on the inference path: the LSA of every new token's L layer rows in batched calls
+        (`DecoderLayer.infer`), the projection in the target's weight mode."""
+        ids = slots.tolist()
+        n = len(ids)
+        if n and ids == list(range(ids[0], ids[0] + n)):
+            slots = slice(ids[0], ids[0] + n)  # the usual case: a view, no gather
         K, V = target.kv(slots)  # [L, Hkv, n, d]
-        vectors = self(K.permute(2, 0, 1, 3), V.permute(2, 0, 1, 3))
+        L, E = self.cfg.num_layers, self.cfg.lsa_hidden
+        x = torch.cat([K, V], -1).permute(2, 0, 1, 3).reshape(n, L, E)  # per head [k_h, v_h], as `layer_states`
+        kern, proj = self.lsa.kernels(), self.proj.kernel()
+        chunks = [proj(self.lsa.infer(x[s:s + self.CHUNK], self.cos, self.sin_signed, kern=kern).mean(-2))
+                  for s in range(0, n, self.CHUNK)] or [x.new_zeros(0, self.cfg.hidden_size)]
+        vectors = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         N = self.cfg.tli_layers
         tail = (K[-N:].clone(), V[-N:].clone()) if N else None
         return MoAContext(vectors, tail)
@@ -265,6 +283,7 @@ class MoADrafter(TargetBoundDrafter):
             cos, sin = rope(cfg.rope_theta, hd, max_seq_len)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
             self.register_buffer(f"{name}_sin", sin, persistent=False)
+            self.register_buffer(f"{name}_sin_signed", signed_sin(sin), persistent=False)  # inference path
         self.apply(self._init_weights)
         # frozen target parts besides the embedding and LM head (attach)
         self.tli: list[FrozenTargetLayer] = []
@@ -361,21 +380,33 @@ class MoADrafter(TargetBoundDrafter):
         start, n = self.ctx_len, len(context)
         if start + n > self.max_seq_len:
             raise UserError(f"MoA drafter context full ({start} + {n} > {self.max_seq_len} tokens)")
-        pos = torch.arange(start, start + n, device=context.vectors.device)
-        k, v = self.ca.context_kv(context.vectors[None], self.ca_cos[pos], self.ca_sin[pos])
+        k, v = self.ca.context_kv_infer(context.vectors[None], self.ca_cos[start:start + n],
+                                        self.ca_sin_signed[start:start + n])
         self.ca_cache.update(start, k, v)
         for i, cache in enumerate(self.tli_caches):
             cache.update(start, context.tail_kv[0][i][None], context.tail_kv[1][i][None])
         self.ctx_len += n
 
-    def _predict(self, x: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """SA outputs x [1, n, D] of rows at `positions` -> log-probs [n, K]. The TLI layers write the rows'
-        own K/V at tentative slots [start, start + n) after the verified ones and attend under `mask`."""
+    def _embed_rows(self, ids: list[int]) -> torch.Tensor:
+        """The frozen embeddings of token ids as SA input [1, n, D] (one row: a view, no gather)."""
+        if len(ids) == 1:
+            return self.embed[ids[0]:ids[0] + 1][None]
+        return self.embed[torch.tensor(ids, device=self.embed.device)][None]
+
+    def _predict(self, x: torch.Tensor, positions: slice | torch.Tensor, start: int, mask: torch.Tensor | None,
+                 ca: BlockKernels) -> torch.Tensor:
+        """SA outputs x [1, n, D] of rows at `positions` (a slice: all rows at one position, or one per row)
+        -> log-probs [n, K]. The TLI layers write the rows' own K/V at tentative slots [start, start + n)
+        after the verified ones and attend under `mask`. `_after_sa` on the inference path."""
         L = self.ctx_len
-        tli_kv = [dict(cache=cache, start=start) for cache in self.tli_caches]
-        _, final = self._after_sa(x, positions, self.ca_cache.k[:, :, :L], self.ca_cache.v[:, :, :L], None,
-                                  tli_kv, mask)
-        return self._logprobs(final[0])
+        out = self.ca.infer(x, self.ca_cos[positions], self.ca_sin_signed[positions], self.ca_cache.k[:, :, :L],
+                            self.ca_cache.v[:, :, :L], ca)
+        if self.tli:
+            cos, sin = self.tli_cos[positions], self.tli_sin[positions]
+            for layer, cache in zip(self.tli, self.tli_caches, strict=True):
+                out = layer(out, cos, sin, mask, cache=cache, start=start)
+            out = rms_norm(out, self.final_norm, self.cfg.rms_eps)
+        return torch.log_softmax(self._fast_head(out[0]), -1)
 
     @torch.no_grad()
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
@@ -385,27 +416,40 @@ class MoADrafter(TargetBoundDrafter):
         if P + 1 + cfg.depth * cfg.topk > self.max_seq_len:
             return Tree.chain(root)
         dev = self.sa_cos.device
+        sa, ca = self.sa.kernels(), self.ca.kernels()  # the inference kernels, checked once per round
         # SA over the tokens accepted since the last round + the root, in one causal pass (root committed:
         # it will be in the target's cache after verification). Only the root row goes on.
         start = self.sa_len
         pending = [*self.tokens[start:], root]
-        pos = torch.arange(start, P + 1, device=dev)
-        x = self.sa(self.embed[torch.tensor(pending, device=dev)][None], self.sa_cos[pos], self.sa_sin[pos],
-                    pending_mask(start, len(pending), dev), self.sa_cache, start)
+        x = self.sa.infer(self._embed_rows(pending), self.sa_cos[start:P + 1],
+                          self.sa_sin_signed[start:P + 1], pending_mask(start, len(pending), dev), self.sa_cache,
+                          start, sa)
         self.sa_len = P + 1
-        root_lp = self._predict(x[:, -1:], pos[-1:], P, None)[0]  # TLI: the root's own K/V at slot P
+        root_lp = self._predict(x[:, -1:], slice(P, P + 1), P, None, ca)[0]  # TLI: the root's own K/V at slot P
 
-        # Drafted nodes get tentative slots P+1, P+2, ... in the SA and TLI caches (overwritten next round).
+        # Drafted nodes get tentative slots P+1, P+2, ... (in frontier order) in the SA and TLI caches
+        # (overwritten next round).
         slot_of = {0: P}
 
         def expand(tree: Tree, frontier: list[int]) -> torch.Tensor:
             # rows see the verified tokens and the root (slots 0..P), their ancestors and themselves
-            first, mask = place_frontier(tree, frontier, slot_of, P + 1, dev)
-            positions = torch.tensor([P + tree.depths[node] for node in frontier], device=dev)
-            ids = torch.tensor([tree.tokens[node] for node in frontier], device=dev)
-            x = self.sa(self.embed[ids][None], self.sa_cos[positions], self.sa_sin[positions], mask,
-                        self.sa_cache, first)
-            return self._predict(x, positions, first, mask)
+            depths = {tree.depths[node] for node in frontier}
+            first = max(slot_of.values()) + 1
+            if len(frontier) == 1 and depths == {first - P}:
+                # a chain: the node's depth - 1 ancestors fill the tentative slots P+1..first-1, so it
+                # sees every slot up to its own: no mask
+                slot_of[frontier[0]] = first
+                mask = None
+            else:
+                first, mask = place_frontier(tree, frontier, slot_of, P + 1, dev)
+            if len(depths) == 1:  # a level of the tree: one position for all rows (a view of the tables)
+                depth = depths.pop()
+                positions: slice | torch.Tensor = slice(P + depth, P + depth + 1)
+            else:
+                positions = torch.tensor([P + tree.depths[node] for node in frontier], device=dev)
+            x = self.sa.infer(self._embed_rows([tree.tokens[node] for node in frontier]), self.sa_cos[positions],
+                              self.sa_sin_signed[positions], mask, self.sa_cache, first, sa)
+            return self._predict(x, positions, first, mask, ca)
 
         return grow_tree(root, root_lp, expand, cfg, vocab=self.draft_vocab)
 
