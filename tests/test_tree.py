@@ -409,6 +409,10 @@ def test_adaptive_chain_follows_acceptance_and_costs():
     assert _drive(AdaptiveChain(flat, 8), 30, 0.5, step_ms=3.3)[-1] <= 2
     with pytest.raises(ValueError):
         AdaptiveChain({2: 1.0})
+    # a drafter may draft past max_depth (a long suffix match) and have it all accepted
+    long = AdaptiveChain(flat, max_depth=4)
+    long.update(12, 12, 0.001, 0.01)
+    assert long.offered[-1] > 0 and 1 <= long.choose() <= 4
 
 
 def test_adaptive_tree_config():

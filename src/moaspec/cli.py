@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "a rerun resumes")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--quick", action="store_true", help="1 question per task, 64 tokens, T=0: minutes")
+    b.add_argument("--deterministic-drafts", action="store_true",
+                   help="at T > 0, top-k drafts instead of drafts sampled from the drafter's distribution")
     b.set_defaults(func=cmd_bench)
 
     m = sub.add_parser("models", help="list or install the known models")
@@ -477,7 +479,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError:
         raise UserError(f"--temperatures must be numbers like 0,1; got {args.temperatures!r}") from None
     kw = dict(model=args.model, methods=_csv(args.methods), tasks=_csv(args.tasks), tree=args.tree,
-              checkpoints=args.checkpoints, weights=args.weights, out=args.out, seed=args.seed)
+              checkpoints=args.checkpoints, weights=args.weights, out=args.out, seed=args.seed,
+              sampled_drafts=not args.deterministic_drafts)
     if args.quick:
         cfg = BenchConfig.quick(**kw)
     else:

@@ -62,6 +62,7 @@ class BenchConfig:
     seed: int = 0
     sweep_questions: int = 4
     sweep_tokens: int = 64
+    sampled_drafts: bool = True  # at T > 0: drafts drawn from the drafter's q (False: its top-k)
 
     @classmethod
     def quick(cls, **kw) -> BenchConfig:
@@ -189,7 +190,8 @@ class Bench:
             messages.append({"role": "user", "content": turn})
             seed = int(hashlib.sha1(f"{q.id}|{i}|{self.cfg.seed}".encode()).hexdigest()[:8], 16)
             gen = GenerationConfig(max_new_tokens=max_new_tokens or self.cfg.max_new_tokens,
-                                   sampling=SamplingParams(temperature=temperature, seed=seed))
+                                   sampling=SamplingParams(temperature=temperature, seed=seed),
+                                   sampled_drafts=self.cfg.sampled_drafts)
             ids = self.dec.encode(messages)
             if method.name.startswith("llama.cpp"):
                 r = self._llama_cpp(method, ids, gen)

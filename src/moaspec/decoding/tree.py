@@ -168,7 +168,8 @@ class AdaptiveChain:
             return
         self.offered = [x * self.decay for x in self.offered]
         self.hits = [x * self.decay for x in self.hits]
-        for j in range(min(accepted + 1, drafted)):  # draft j + 1 was looked at
+        # draft j + 1 was looked at; depths past max_depth (a drafter that chose a longer chain) are not tracked
+        for j in range(min(accepted + 1, drafted, len(self.offered))):
             self.offered[j] += 1
             self.hits[j] += j < accepted
         step, pass_ = draft_s * 1e3 / drafted, verify_s * 1e3 / self.rel[min(drafted, self.max_depth)]
