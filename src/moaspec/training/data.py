@@ -167,7 +167,12 @@ class Builder:
         self.eos = eos if isinstance(eos, int) and eos >= 0 and eos != self.tok.unk_token_id else \
             self.tok.eos_token_id
         self.check = Contamination(eval_texts())
-        self.done = {r.id for p in shards(self.out) for r in read_shard(p)}
+        self.done: set[str] = set()
+        self.have = dict.fromkeys(SOURCES, 0)  # tokens each source holds, read once
+        for source in SOURCES:
+            for r in (r for p in shards(self.out, source) for r in read_shard(p)):
+                self.done.add(r.id)
+                self.have[source] += len(r.ids)
 
     def chat(self, user: str, assistant: str | None = None) -> list[int]:
         msgs = [{"role": "user", "content": user}]
@@ -176,9 +181,6 @@ class Builder:
         else:
             ids = self.tok.apply_chat_template([*msgs, {"role": "assistant", "content": assistant}], tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def tokens_of(self, source: str) -> int:
-        return sum(len(r.ids) for p in shards(self.out, source) for r in read_shard(p))
 
     # -------------------------------------------------------------- text
     def text_sequences(self, rng: random.Random) -> Iterator[Sequence]:
@@ -220,7 +222,7 @@ class Builder:
                 yield Sequence(sid, f"text-{src.kind}", ids, len(prompt))
 
     def build_text(self, goal: int) -> None:
-        have = self.tokens_of("text")
+        have = self.have["text"]
         if have >= goal:
             return
         writer = ShardWriter(self.out, "text", self.cfg.shard_tokens)
@@ -265,7 +267,7 @@ class Builder:
 
     def build_gen(self, goal: int, time_budget_s: float | None) -> float:
         """Answers until `goal` tokens or the time budget; returns the seconds spent generating."""
-        have = self.tokens_of("gen")
+        have = self.have["gen"]
         if have >= goal:
             return 0.0
         prompts = {p.id: p for p in build_prompts(self.cfg.prompts, self.cfg.seed, contamination=self.check)}

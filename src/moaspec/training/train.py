@@ -108,13 +108,16 @@ def student_specs(kind: str, tli_layers: int | str) -> list[tuple[str, str, int]
     return specs
 
 
-def load_examples(folder: str | Path, split: str, max_len: int) -> list[Example]:
-    """A split of a data folder as examples cut to `max_len` tokens."""
-    out = []
-    for r in data.load(folder, split):
+def load_examples(folder: str | Path, max_len: int) -> dict[str, list[Example]]:
+    """A data folder's train and val splits as examples cut to `max_len` tokens (one read of the shards)."""
+    rows = data.load(folder)
+    fraction = json.loads((Path(folder) / "config.json").read_text())["val_fraction"]
+    out: dict[str, list[Example]] = {"train": [], "val": []}
+    for r in rows:
         ids = r.ids[:max_len]
         if len(ids) >= 3:
-            out.append(Example(ids, min(max(1, r.prompt_len), len(ids)), len(out), r.mode != "text"))
+            split = out["val" if data.is_val(r.id, fraction) else "train"]
+            split.append(Example(ids, min(max(1, r.prompt_len), len(ids)), len(split), r.mode != "text"))
     return out
 
 
@@ -199,10 +202,11 @@ class Trainer:
         fingerprint = weights_fingerprint(folder)
         if manifest.exists() and json.loads(manifest.read_text()).get("target_fingerprint") != fingerprint:
             raise UserError(f"{cfg.data} was built for other weights than {cfg.model}'s: pass its own --model")
-        everything = load_examples(cfg.data, "train", cfg.max_len)
+        splits = load_examples(cfg.data, cfg.max_len)
+        everything = splits["train"]
         self.train = subset(everything, cfg.data_tokens, cfg.seed) if cfg.data_tokens else everything
         # validation: the target's own answers only (package text is not what the target writes)
-        val = [e for e in load_examples(cfg.data, "val", cfg.max_len)
+        val = [e for e in splits["val"]
                if e.answer_from_target and e.prompt_len < len(e.ids) - 2][: cfg.val_sequences]
         self.val = [replace(e, index=i) for i, e in enumerate(val)]
         if not self.train or not self.val:
