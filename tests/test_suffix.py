@@ -126,7 +126,7 @@ def test_min_prob_cuts_unlikely_paths():
 
 
 @pytest.mark.parametrize("cfg", [TreeConfig(1, 1, 1), TreeConfig(4, 1, 4), TreeConfig(3, 2, 4), TreeConfig(5, 3, 6),
-                                 TreeConfig(2, 4, 8), TreeConfig(0, 1, 0)])
+                                 TreeConfig(2, 4, 8)])
 def test_respects_the_tree_shape(cfg):
     rng = random.Random(1)
     text = [rng.randrange(4) for _ in range(400)]  # many repeats: bushy continuations

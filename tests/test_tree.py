@@ -11,9 +11,13 @@ import torch
 
 from moaspec.decoding.sampling import SamplingParams, target_probs
 from moaspec.decoding.tree import (
+    MAX_DEPTH,
+    MAX_TOPK,
+    MAX_TREE_TOKENS,
     PAPER_GPU_TREE,
     AdaptiveChain,
     DraftSampling,
+    SampledTreeConfig,
     Tree,
     TreeConfig,
     _children_per_node,
@@ -77,10 +81,34 @@ def test_tree_rejects_parent_not_before_child(parents):
         Tree(list(range(len(parents))), parents)
 
 
-@pytest.mark.parametrize("kw", [{"depth": -1}, {"topk": 0}, {"total_tokens": -1}], ids=str)
-def test_tree_config_validation(kw):
-    with pytest.raises(UserError):
+BAD_SHAPES = {
+    "depth -1": ({"depth": -1}, "depth"), "depth 0": ({"depth": 0}, "depth"),
+    "depth over max": ({"depth": MAX_DEPTH + 1, "total_tokens": MAX_DEPTH + 1}, "depth"),
+    "topk 0": ({"topk": 0}, "topk"), "topk over max": ({"topk": MAX_TOPK + 1}, "topk"),
+    "total -1": ({"total_tokens": -1}, "total_tokens"), "total 0": ({"total_tokens": 0}, "total_tokens"),
+    "total over max": ({"total_tokens": MAX_TREE_TOKENS + 1}, "total_tokens"),
+    "total below depth": ({"depth": 5, "total_tokens": 4}, "total_tokens >= 5"),
+    "float depth": ({"depth": 2.5}, "depth"), "bool topk": ({"topk": True}, "topk"),
+    "huge": ({"depth": 50, "topk": 1000, "total_tokens": 100000}, "depth"),
+}
+
+
+@pytest.mark.parametrize("kw,says", BAD_SHAPES.values(), ids=BAD_SHAPES.keys())
+def test_tree_config_validation(kw, says):
+    with pytest.raises(UserError, match=says):
         TreeConfig(**kw)
+    with pytest.raises(UserError, match=says):  # the sampled shape is checked the same way
+        SampledTreeConfig(**kw, sampling=DraftSampling(SamplingParams(temperature=1.0), seed=0))
+
+
+def test_tree_config_bounds_are_inclusive():
+    for cfg in (TreeConfig(1, 1, 1), TreeConfig(MAX_DEPTH, MAX_TOPK, MAX_TREE_TOKENS), TreeConfig(3, 1, 3),
+                TreeConfig(MAX_DEPTH, 1, MAX_DEPTH, adaptive=True), PAPER_GPU_TREE, TreeConfig()):
+        assert TreeConfig.parse(f"{cfg.depth},{cfg.topk},{cfg.total_tokens}").depth == cfg.depth
+    assert TreeConfig.parse(f"adaptive:{MAX_DEPTH}").depth == MAX_DEPTH
+    for text in ("adaptive:0", f"adaptive:{MAX_DEPTH + 1}", "0,1,0", "4,0,6", f"2,2,{MAX_TREE_TOKENS + 1}", "6,4,5"):
+        with pytest.raises(UserError):
+            TreeConfig.parse(text)
 
 
 # --------------------------------------------------------------------------- grow_tree
@@ -168,14 +196,6 @@ def test_grow_tree_shape_and_selection(cfg):
     best = sorted(cands, key=lambda p: -cands[p])[: cfg.total_tokens]
     assert sorted(paths.values()) == sorted(best)
     assert len(tree) - 1 == min(cfg.total_tokens, len(cands))
-
-
-def test_grow_tree_trivial_configs():
-    for cfg in (TreeConfig(depth=0), TreeConfig(total_tokens=0)):
-        drafter = SyntheticDrafter()
-        tree = grow_tree(9, _logprobs(()), drafter, cfg)
-        assert tree.tokens == [9] and tree.parents == [-1]
-        assert drafter.calls == []
 
 
 def test_grow_tree_vocab_map():
@@ -278,7 +298,7 @@ def test_lookup_continues_repeated_ngram():
 def test_lookup_respects_depth_and_total_tokens():
     context = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2]
     assert _lookup(context, 3, TreeConfig(depth=2, topk=4, total_tokens=10)).tokens == [3, 4, 5]
-    assert _lookup(context, 3, TreeConfig(depth=4, topk=4, total_tokens=1)).tokens == [3, 4]
+    assert _lookup(context, 3, TreeConfig(depth=1, topk=4, total_tokens=1)).tokens == [3, 4]
     # two matches of (7, 8): the most recent continuation first, then the older one as a sibling
     context = [7, 8, 1, 2, 0, 7, 8, 3, 4, 0, 5, 7]
     both = _lookup(context, 8, TreeConfig(depth=4, topk=4, total_tokens=10))
@@ -322,7 +342,8 @@ def test_lookup_random_contexts(seed):
     for _ in range(50):
         context = [rng.randrange(6) for _ in range(rng.randrange(0, 60))]
         root = rng.randrange(6)
-        cfg = TreeConfig(depth=rng.randrange(0, 6), topk=rng.randrange(1, 5), total_tokens=rng.randrange(0, 12))
+        depth = rng.randrange(1, 6)
+        cfg = TreeConfig(depth=depth, topk=rng.randrange(1, 5), total_tokens=rng.randrange(depth, 12))
         tree = _lookup(context, root, cfg)
         assert tree.tokens[0] == root
         assert len(tree) - 1 <= cfg.total_tokens
@@ -333,7 +354,7 @@ def test_lookup_random_contexts(seed):
             path = [tree.tokens[i] for i in tree.path_to(node)]
             assert _contains([*context, root], path), (context, root, path)
         # any earlier occurrence of the root is a 1-gram match with at least one token after it
-        assert (len(tree) > 1) == (root in context and cfg.depth > 0 and cfg.total_tokens > 0)
+        assert (len(tree) > 1) == (root in context)
 
 
 def test_tree_for_costs_gpu_gets_the_paper_tree_cpu_an_adaptive_chain():
@@ -409,6 +430,9 @@ def test_adaptive_chain_follows_acceptance_and_costs():
     assert _drive(AdaptiveChain(flat, 8), 30, 0.5, step_ms=3.3)[-1] <= 2
     with pytest.raises(ValueError):
         AdaptiveChain({2: 1.0})
+    for bad in (0, MAX_DEPTH + 1):
+        with pytest.raises(ValueError, match="max_depth"):
+            AdaptiveChain(flat, max_depth=bad)
     # a drafter may draft past max_depth (a long suffix match) and have it all accepted
     long = AdaptiveChain(flat, max_depth=4)
     long.update(12, 12, 0.001, 0.01)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.tree import ADAPTIVE_MAX_DEPTH, TreeConfig
+from moaspec.decoding.tree import ADAPTIVE_MAX_DEPTH, MAX_DEPTH, MAX_TOPK, MAX_TREE_TOKENS, TreeConfig
 from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, HYBRID_MODELS, HYBRID_POLICIES, resolve_auto
 from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
@@ -171,10 +171,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
     t = p.add_argument_group("draft tree (EAGLE-2 shape); default: calibrated to this machine's verify cost "
                              "(cached), which gives a CPU an adaptive chain and a GPU the paper's big tree")
-    t.add_argument("--depth", type=int, help=f"draft steps (fixed shape default {_TREE_DEFAULTS['depth']})")
-    t.add_argument("--topk", type=int, help=f"children per expanded node (default {_TREE_DEFAULTS['topk']})")
+    t.add_argument("--depth", type=int,
+                   help=f"draft steps, 1 to {MAX_DEPTH} (fixed shape default {_TREE_DEFAULTS['depth']})")
+    t.add_argument("--topk", type=int,
+                   help=f"children per expanded node, 1 to {MAX_TOPK} (default {_TREE_DEFAULTS['topk']})")
     t.add_argument("--total-tokens", type=int,
-                   help=f"draft tokens verified per target call (default {_TREE_DEFAULTS['total_tokens']})")
+                   help=f"draft tokens verified per target call, --depth to {MAX_TREE_TOKENS} "
+                        f"(default {_TREE_DEFAULTS['total_tokens']})")
     t.add_argument("--adaptive", action="store_true", help="draft a chain whose length (up to --depth, default "
                    f"{ADAPTIVE_MAX_DEPTH}) is chosen per call from live acceptance and this machine's costs")
 

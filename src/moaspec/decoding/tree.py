@@ -8,6 +8,7 @@ target pass can score the whole tree with an ancestor mask and depth-based posit
 from __future__ import annotations
 
 import heapq
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
@@ -41,12 +42,24 @@ class DraftSampling:
             raise UserError(f"draft sampling needs top_m >= 1 and sharpen in (0, 1], got {self.top_m}, {self.sharpen}")
 
 
+# Bounds on a tree's shape. A tree is scored in one target pass, one row per draft token, and every
+# row costs time (a CPU pays per row past a few; a GPU runs flat only up to a few dozen rows), and
+# every draft step is a drafter call: a server taking shapes from its clients must bound them. The
+# limits leave ample room above any shape that pays (the paper's GPU tree is depth 6, top-k 8, 62
+# tokens; the adaptive chain defaults to 8) while keeping one call's work small and predictable.
+MAX_DEPTH = 32  # draft steps: each is a sequential drafter call
+MAX_TOPK = 64  # children per expanded node: each step scores topk x topk candidates
+MAX_TREE_TOKENS = 256  # draft tokens per target pass (its rows, the root aside)
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     """EAGLE-2 tree shape: `depth` draft steps, `topk` children per expanded node, and `total_tokens`
     draft nodes kept after reranking (the pass scores `total_tokens + 1` rows with the root).
     CPU default is small (CPU.md: verifying many tokens is compute-bound); the paper's GPU
-    default is depth 6, top-k 8, 62 tokens."""
+    default is depth 6, top-k 8, 62 tokens. Bounded by MAX_DEPTH, MAX_TOPK and MAX_TREE_TOKENS; a
+    path of `depth` drafts is `depth` nodes, so `total_tokens` is at least `depth` (fewer would
+    leave the deepest draft steps unused)."""
 
     depth: int = 4
     topk: int = 4
@@ -54,10 +67,16 @@ class TreeConfig:
     adaptive: bool = False  # a chain whose length (up to `depth`) is chosen per call: `AdaptiveChain`
 
     def __post_init__(self) -> None:
-        if self.depth < 0 or self.topk < 1 or self.total_tokens < 0:
-            raise UserError(f"invalid tree shape {self}: depth >= 0, topk >= 1, total_tokens >= 0")
-        if self.adaptive and (self.topk != 1 or self.total_tokens != self.depth or self.depth < 1):
-            raise UserError(f"an adaptive tree is a chain: topk 1, total_tokens = depth >= 1; got {self}")
+        for name, limit, flag in (("depth", MAX_DEPTH, "--depth"), ("topk", MAX_TOPK, "--topk"),
+                                  ("total_tokens", MAX_TREE_TOKENS, "--total-tokens")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= limit:
+                raise UserError(f"tree {name} ({flag}) must be an integer from 1 to {limit}, got {value!r}")
+        if self.total_tokens < self.depth:
+            raise UserError(f"a tree of depth {self.depth} needs total_tokens >= {self.depth} (a chain of depth d "
+                            f"is d draft tokens), got {self.total_tokens}; raise --total-tokens or lower --depth")
+        if self.adaptive and (self.topk != 1 or self.total_tokens != self.depth):
+            raise UserError(f"an adaptive tree is a chain: topk 1, total_tokens = depth; got {self}")
 
     @classmethod
     def parse(cls, text: str) -> TreeConfig:
@@ -132,6 +151,8 @@ class AdaptiveChain:
     def __init__(self, verify_ms: dict[int, float], max_depth: int = 8, decay: float = 0.95):
         if 1 not in verify_ms:
             raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
+        if not 1 <= max_depth <= MAX_DEPTH:
+            raise ValueError(f"an adaptive chain drafts 1 to {MAX_DEPTH} tokens, got max_depth {max_depth}")
         self.max_depth, self.decay = max_depth, decay
         ks = sorted(verify_ms)
         # relative verify cost for 1..max_depth+1 rows, linear between measured row counts
@@ -263,8 +284,6 @@ def grow_tree(
     (possibly trimmed) vocabulary indices to target token ids.
     """
     tokens, parents, scores = [root], [-1], [0.0]
-    if cfg.depth == 0 or cfg.total_tokens == 0:
-        return Tree(tokens, parents, scores)
     if isinstance(cfg, SampledTreeConfig):
         return grow_sampled_tree(root, root_logprobs, expand, cfg, vocab)
 
