@@ -142,6 +142,11 @@ BAD_INPUT = {
     "chat huge tree": ["chat", "--total-tokens", "100000"],
     "adaptive tree with top-k": ["generate", "--prompt", "hi", "--adaptive", "--topk", "2"],
     "chat bad sampling": ["chat", "--top-p", "2"],
+    # bytes that are not UTF-8 reach argv as surrogate escapes (b"\xff" -> "\udcff")
+    "prompt not UTF-8": ["generate", "--prompt", "\udcff\udcfe"],
+    "system not UTF-8": ["generate", "--prompt", "hi", "--system", "caf\udce9"],
+    "stop not UTF-8": ["generate", "--prompt", "hi", "--stop", "\udcc3("],
+    "chat system not UTF-8": ["chat", "--system", "\udcff"],
     "no command": [],
     "unknown command": ["train"],
     "install unknown model": ["models", "install", "gpt-5"],
@@ -158,6 +163,17 @@ def test_bad_input_exits_2_with_a_message(capsys, monkeypatch, argv):
     assert code == 2
     assert err.startswith("error: ") and len(err.strip()) > len("error: ")
     assert "Traceback" not in err and out == ""
+
+
+def test_prompt_not_utf8_names_the_byte(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "_load_decoder", lambda *a: pytest.fail("bad input must fail before loading"))
+    code, out, err = run(capsys, "generate", "--prompt", "ab\udcff\udcfe")
+    assert (code, out) == (2, "")
+    assert err == "error: --prompt is not valid UTF-8 (byte 0xff at byte offset 2); give it as UTF-8 text\n"
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("é ".encode() + b"\xc3(")
+    code, out, err = run(capsys, "generate", "--prompt-file", str(bad))
+    assert code == 2 and err.startswith(f"error: prompt file {bad} is not valid UTF-8 (byte 0xc3 at byte offset 3)")
 
 
 def test_adaptive_tree_flag():
@@ -230,6 +246,24 @@ def test_subprocess_chat_two_turns_then_eof():
     summaries = [line for line in proc.stderr.splitlines() if "tok/s" in line]
     assert len(summaries) == 2, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_subprocess_prompt_not_utf8():
+    """Invalid UTF-8 in argv, on stdin (read strictly, as in a UTF-8 locale) and in chat lines."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    for argv, stdin in (([b"--prompt", b"\xff\xfe"], b""), ([b"--prompt", b"-"], b"hi \xff\n"),
+                        ([b"--prompt-file", b"-"], b"\xfe")):
+        proc = subprocess.run([sys.executable, "-m", "moaspec", "generate", *argv], input=stdin,
+                              capture_output=True, timeout=120, env=env)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(b"error: ") and b"not valid UTF-8" in proc.stderr
+        assert b"Traceback" not in proc.stderr and proc.stdout == b""
+    proc = subprocess.run([sys.executable, "-m", "moaspec", "chat", "--model", MODEL, "--max-new-tokens", "4"],
+                          input=b"\xff\xfe\nSay hi.\n", capture_output=True, timeout=300, env=env)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err  # exit 2: a turn failed; the chat went on
+    assert "error: that line is not valid UTF-8 (byte 0xff at byte offset 0)" in err
+    assert len([line for line in err.splitlines() if "tok/s" in line]) == 1, err
 
 
 def test_subprocess_bad_input():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -204,6 +205,10 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
                            sampled_drafts=not args.deterministic_drafts)
     if any(not s for s in cfg.stop):
         raise UserError("--stop needs a non-empty string")
+    for s in cfg.stop:
+        _utf8(s, "--stop")
+    if args.system is not None:
+        _utf8(args.system, "--system")
     if args.max_context < 2:
         raise UserError(f"--max-context must be at least 2 tokens, got {args.max_context}")
     if cfg.max_new_tokens >= args.max_context:
@@ -241,11 +246,38 @@ def _check_models(args: argparse.Namespace) -> None:
         _check_model_name(args.draft_model, "--draft-model")
 
 
+def _not_utf8(what: str, byte: int, offset: int) -> UserError:
+    return UserError(f"{what} is not valid UTF-8 (byte 0x{byte:02x} at byte offset {offset}); give it as UTF-8 text")
+
+
+def _utf8(text: str, what: str) -> str:
+    """`text`, if it is valid UTF-8: bytes that are not arrive as surrogate escapes (in argv, and on
+    stdin once `_lenient_stdin` ran), which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        offset = len(text[:e.start].encode("utf-8"))
+        if 0xDC80 <= c <= 0xDCFF:  # a surrogate escape: the byte c - 0xDC00
+            raise _not_utf8(what, c - 0xDC00, offset) from None
+        raise UserError(f"{what} holds a lone surrogate U+{c:04X} at byte offset {offset}; give it as UTF-8 text") \
+            from None
+    return text
+
+
+def _lenient_stdin() -> None:
+    """Have stdin decode bytes that are not UTF-8 as surrogate escapes (as argv does), for `_utf8` to
+    report, instead of failing inside the reader with a traceback."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None and args.prompt != "-":
-        text = args.prompt
+        text = _utf8(args.prompt, "--prompt")
     elif args.prompt == "-" or args.prompt_file == "-":
-        text = sys.stdin.read()
+        _lenient_stdin()
+        text = _utf8(sys.stdin.read(), "the prompt on stdin")
     else:
         path = Path(args.prompt_file).expanduser()
         try:
@@ -254,7 +286,9 @@ def _read_prompt(args: argparse.Namespace) -> str:
             raise UserError(f"prompt file not found: {path}") from None
         except IsADirectoryError:
             raise UserError(f"prompt file is a directory: {path}") from None
-        except (OSError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
+            raise _not_utf8(f"prompt file {path}", e.object[e.start], e.start) from None
+        except OSError as e:
             raise UserError(f"cannot read prompt file {path}: {e}") from None
     if not text.strip():
         raise UserError("the prompt is empty")
@@ -347,6 +381,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = list(system)
     failed = False
+    _lenient_stdin()
     if interactive:
         print(f"Chat with {_label(args)}. /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
@@ -368,6 +403,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line == "/reset":
             history = list(system)
             print("(history cleared)", file=sys.stderr, flush=True)
+            continue
+        try:
+            _utf8(line, "that line")
+        except UserError as e:
+            _error(f"{e} (the line is skipped)")
+            failed = True
             continue
         history.append({"role": "user", "content": line})
         try:
