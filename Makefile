@@ -42,7 +42,7 @@ bench: setup
 	$(BIN)/moaspec models install qwen2.5-coder-0.5b
 	$(BIN)/moaspec bench --tree sweep --out bench-out/full
 
-# llama.cpp as a benchmark peer (optional, ~5 minutes): the example programs of the llama.cpp that
+# llama.cpp as a benchmark peer and the fast answer writer of `moaspec data` (optional, ~10 minutes): the example programs of the llama.cpp that
 # llama-cpp-python vendors, built from its source package into $(LLAMA_DIR).
 LLAMA_PY  := 0.3.36
 LLAMA_DIR := $(or $(MOASPEC_HOME),$(HOME)/.cache/moaspec)/llama.cpp
@@ -52,5 +52,5 @@ llama-cpp: setup
 	test -d $(LLAMA_SRC) || ($(BIN)/python -m pip download --no-deps --no-binary :all: \
 		llama-cpp-python==$(LLAMA_PY) -d $(LLAMA_DIR) && tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_PY).tar.gz -C $(LLAMA_DIR))
 	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON
-	cmake --build $(LLAMA_DIR)/build -j2 --target llama-completion llama-speculative-simple
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON
+	cmake --build $(LLAMA_DIR)/build -j2 --target llama-completion llama-speculative-simple llama-lookup llama-server

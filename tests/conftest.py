@@ -41,7 +41,7 @@ def hf_smol(smol_folder):
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_folder):
-    from moaspec.pipeline import load_tokenizer
+    from moaspec.models.store import load_tokenizer
 
     return load_tokenizer(smol_folder)
 

@@ -237,7 +237,7 @@ def test_inference_equals_training(smol_model, monkeypatch, kind, vocab_ids):
     root = step.verdict.bonus
     assert root == plain[0]
     if kind == "eagle":
-        assert step.context.shape == (len(prompt), smol_model.cfg.hidden_size)
+        assert step.context.states.shape == (len(prompt), smol_model.cfg.hidden_size)
     d.begin(prompt, step.context)
     seen = record_grow_tree(monkeypatch, module)
     d.propose(root, cfg)

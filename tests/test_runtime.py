@@ -211,8 +211,7 @@ def test_fp16_speculative_equals_plain(fp16_decoders, index):
 def test_qwen_prefill_and_decode_match_transformers():
     from transformers import AutoModelForCausalLM
 
-    from moaspec.models.store import resolve
-    from moaspec.pipeline import load_tokenizer
+    from moaspec.models.store import load_tokenizer, resolve
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = resolve("qwen2.5-coder-0.5b")

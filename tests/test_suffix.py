@@ -263,7 +263,7 @@ def test_hybrid_rejects_unknown_parts(dec_none):
     with pytest.raises(UserError, match="policy"):
         HybridDrafter(SuffixDrafter(), StubModel(), policy="both")
     with pytest.raises(UserError, match="pairs the suffix drafter"):
-        build_drafter("hybrid", dec_none, hybrid_model="lookup")
+        build_drafter("hybrid", dec_none.model_name, dec_none.target, hybrid_model="lookup")
 
 
 # ----------------------------------------------------------------------------- end to end: lossless
@@ -272,7 +272,7 @@ COSTS = {1: 10.0, 2: 10.0, 4: 10.5, 8: 12.0}
 
 
 def _engine(dec, name: str, tree: TreeConfig, policy: str = "switch") -> Engine:
-    drafter = build_drafter(name, dec, hybrid_policy=policy)
+    drafter = build_drafter(name, dec.model_name, dec.target, hybrid_policy=policy)
     adapt = AdaptiveChain(COSTS, tree.depth) if tree.adaptive else None
     return Engine(LocalTarget(dec.target, drafter.encoder), drafter, tree, adapt)
 

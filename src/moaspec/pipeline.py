@@ -12,18 +12,23 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from moaspec.decoding.engine import Engine, GenerationConfig, Metrics
-from moaspec.decoding.target import LocalTarget
+from moaspec.decoding.target import LocalTarget, TargetSide
 from moaspec.decoding.tree import AdaptiveChain, TreeConfig, tree_for_costs
 from moaspec.drafters import build_drafter
+from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
 from moaspec.models.linear import WeightMode
+from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Transformer
-from moaspec.models.store import cache_dir, resolve
+from moaspec.models.store import cache_dir, load_tokenizer, resolve, weights_fingerprint
+
+if TYPE_CHECKING:
+    from moaspec.serving.remote import RemoteTarget
 
 
 def plausible_costs(costs: dict[int, float], clamp: bool = False) -> dict[int, float]:
@@ -42,13 +47,6 @@ def plausible_costs(costs: dict[int, float], clamp: bool = False) -> dict[int, f
             out[k] = costs[k]
         prev = k
     return out
-
-
-def load_tokenizer(folder: Path):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
 
 
 @dataclass
@@ -84,15 +82,32 @@ class SpecDecoder:
         warmup: bool = True,
         hybrid_model: str = "moa",
         hybrid_policy: str = "switch",
+        target_url: str | None = None,
+        token: str | None = None,
+        wire: str = "fp16",
     ):
+        """`target_url` (with the server's bearer `token`): verify on a `moaspec serve-target` server and
+        keep only the drafter and the target parts it shares (embedding, LM head) here; `wire` is the
+        dtype of the drafter context sent back (fp16, fp32, int8)."""
         t = time.perf_counter()
         self.model_name = model
         self.folder = resolve(model)
         self.tokenizer = load_tokenizer(self.folder)
-        self.target = Transformer(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
+        self.remote: RemoteTarget | None = None
+        if target_url is None:
+            self.target: Transformer | PartialTarget = Transformer(self.folder, weights=weights, device=device,
+                                                                   max_seq_len=max_seq_len)
+        else:
+            from moaspec.serving.remote import RemoteTarget, read_token
+
+            self.target = PartialTarget(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
+            self.remote = RemoteTarget(target_url, token or read_token(), wire=wire)
+            if self.remote.model != model or self.remote.fingerprint != weights_fingerprint(self.folder):
+                raise UserError(f"the server at {target_url} serves {self.remote.model!r} (weights "
+                                f"{self.remote.fingerprint}), not this client's {model!r}: draft for the same target")
         self.set_drafter(drafter, draft_model=draft_model, drafter_path=drafter_path, tree=tree,
                          hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
-        if warmup:
+        if warmup and self.remote is None:
             self.target.warmup()
         self.load_s = time.perf_counter() - t
 
@@ -106,8 +121,8 @@ class SpecDecoder:
             tree = TreeConfig.parse(tree)
             if not tree.adaptive:
                 raise UserError(f"tree must be 'auto', 'adaptive[:depth]' or a TreeConfig, got {tree!r}")
-        self.drafter = build_drafter(drafter, self, draft_model=draft_model, drafter_path=drafter_path,
-                                     hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
+        self.drafter = build_drafter(drafter, self.model_name, self.target, draft_model=draft_model,
+                                     drafter_path=drafter_path, hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
         costs = None
         if tree == "auto":
             costs = self.pass_costs() if self.drafter is not None else None
@@ -115,8 +130,14 @@ class SpecDecoder:
         adapt = None
         if tree is not None and tree.adaptive:
             adapt = AdaptiveChain(costs if costs is not None else self.pass_costs(), tree.depth)
-        self.engine = Engine(LocalTarget(self.target, self.drafter.encoder if self.drafter else None),
-                             self.drafter, tree, adapt)
+        encoder = self.drafter.encoder if self.drafter else None
+        if self.remote is not None:
+            self.remote.encoder = encoder_id(encoder) if encoder is not None else None
+            self.remote.check_encoder()
+            target: TargetSide = self.remote
+        else:
+            target = LocalTarget(self.target, encoder)
+        self.engine = Engine(target, self.drafter, tree, adapt)
 
     def auto_tree(self) -> TreeConfig:
         """The tree this machine affords (`tree_for_costs` over measured pass costs)."""
@@ -124,7 +145,9 @@ class SpecDecoder:
 
     def pass_costs(self) -> dict[int, float]:
         """ms of one target pass per row count, measured once per model, weight mode, device and
-        thread count, and cached."""
+        thread count, and cached (a remote target's: as its server measured them)."""
+        if self.remote is not None:
+            return self.remote.pass_costs()
         key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
         path = cache_dir() / "calibration.json"
         try:

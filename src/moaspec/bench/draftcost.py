@@ -147,7 +147,7 @@ class Bench:
         if d.encoder is None:  # a drafter that reads no target state (independent)
             return None
         slots = torch.arange(first, first + n)
-        return d.encoder.encode(self.target, slots, {k: v[first:first + n] for k, v in self.hidden.items()})
+        return d.encoder.encode(self.target.cache, slots, {k: v[first:first + n] for k, v in self.hidden.items()})
 
     def _steady_state(self, d: Any, pending: int) -> dict[str, int]:
         """Bring drafter d to where a round starts with `pending` rows for its own pass (the tokens
@@ -193,7 +193,7 @@ class Bench:
         d = self.drafters[label]
         slots = torch.arange(self.context - n, self.context)
         hidden = {k: v[-n:] for k, v in self.hidden.items()}
-        return lambda: d.encoder.encode(self.target, slots, hidden)
+        return lambda: d.encoder.encode(self.target.cache, slots, hidden)
 
     def _target_pass(self, n: int) -> Callable[[], Any]:
         toks = torch.full((n,), 100, dtype=torch.long)

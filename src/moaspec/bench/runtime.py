@@ -24,8 +24,8 @@ from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters import TRAINED, drafter_kind
 from moaspec.models.runtime import Transformer
-from moaspec.models.store import resolve
-from moaspec.pipeline import SpecDecoder, load_tokenizer
+from moaspec.models.store import load_tokenizer, resolve
+from moaspec.pipeline import SpecDecoder
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",

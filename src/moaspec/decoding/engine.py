@@ -115,6 +115,7 @@ class Engine:
         eos = () if cfg.ignore_eos else self.target.eos_token_ids
         t0 = time.perf_counter()
         step = self.target.start(prompt, cfg.sampling)
+        length = step.length
         m.prefill_s = time.perf_counter() - t0
         if self.drafter is not None:
             self.drafter.begin(prompt, step.context)
@@ -139,25 +140,26 @@ class Engine:
             t1 = time.perf_counter()
             sampling = None if drafts is None else \
                 DraftSampling(cfg.sampling, int(torch.randint(2**62, (), generator=drafts)))
-            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens, sampling)
+            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens, length, sampling)
             t2 = time.perf_counter()
             step = self.target.verify(tree)
             t3 = time.perf_counter()
-            v = step.verdict
+            v, length = step.verdict, step.length
             if self.drafter is not None:
                 self.drafter.observe([root, *v.accepted], step.context)
             draft_s = t2 - t1 + time.perf_counter() - t3
             if self.adapt is not None:
-                self.adapt.update(len(tree) - 1, len(v.accepted), draft_s, t3 - t2)
+                self.adapt.update(len(tree) - 1, len(v.accepted), draft_s, t3 - t2, step.target_ms / 1e3)
             m.draft_s += draft_s
             m.verify_s += t3 - t2
             m.accept_lengths.append(len(v.accepted) + 1)
             new = v.new_tokens
             root = v.bonus
 
-    def _propose(self, root: int, remaining: int, sampling: DraftSampling | None) -> Tree:
-        # A draft deeper than the tokens still wanted, or than the cache holds, is wasted work.
-        room = min(remaining - 1, self.target.max_seq_len - self.target.length - 1)
+    def _propose(self, root: int, remaining: int, length: int, sampling: DraftSampling | None) -> Tree:
+        # A draft deeper than the tokens still wanted, or than the cache holds (`length` committed), is
+        # wasted work.
+        room = min(remaining - 1, self.target.max_seq_len - length - 1)
         if self.drafter is None or room <= 0:
             return Tree.chain(root)
         cfg = self.tree

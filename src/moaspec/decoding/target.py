@@ -1,72 +1,93 @@
 """The target side of the engine: where the big model, its KV cache and verification live.
 
-The engine talks to it through `TargetSide`; `LocalTarget` runs the runtime in-process, and the
-serving layer offers the same calls over the network. Only token ids, parents, verdicts and
-per-token context for the drafter cross this seam, never logits or the target's KV.
+The engine talks to it through `TargetSide`; `LocalTarget` runs the runtime in-process, and
+`serving.remote.RemoteTarget` makes the same calls over the network. Only token ids, parents,
+verdicts and per-token context for the drafter (`decoding.context`) cross this seam, never logits or
+the target's KV cache.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from moaspec.decoding.context import Context
 from moaspec.decoding.sampling import SamplingParams, sample, target_probs
 from moaspec.decoding.tree import Tree
 from moaspec.decoding.verify import Verdict, verify
 from moaspec.errors import ContextLengthError, UserError
-from moaspec.models.runtime import ForwardOut, Transformer
+from moaspec.models.runtime import ForwardOut, KVCache, Transformer
 
 
 class ContextEncoder(Protocol):
     """Target-side part of a drafter (MoA's Layer Self-Attention + projection): turns the target's
     state for newly committed cache slots into the per-token context the drafter consumes."""
 
-    hidden_layers: tuple[int, ...]
+    hidden_layers: tuple[int, ...]  # layers whose input states `encode` reads (num_layers: the final state)
 
-    def encode(self, target: Transformer, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> Any: ...
+    def encode(self, cache: KVCache, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> Context: ...
 
 
 @dataclass
 class Step:
     verdict: Verdict
-    context: Any = None  # what the drafter needs for the newly committed tokens (None: nothing)
+    context: Context | None = None  # what the drafter needs for the newly committed tokens
+    length: int = 0  # tokens committed in the target's cache after this step
+    target_ms: float = 0.0  # the target's own time for the step (a remote caller's rest is the network)
 
 
 class TargetSide(Protocol):
     eos_token_ids: tuple[int, ...]
     max_seq_len: int
-    length: int  # tokens committed in the target's cache
 
     def start(self, prompt: list[int], params: SamplingParams) -> Step: ...
 
     def verify(self, tree: Tree) -> Step: ...
 
+    def pass_costs(self) -> dict[int, float]:
+        """ms of one target pass per row count (what a k-row tree costs the target itself)."""
+        ...
+
 
 class LocalTarget:
-    """A target in this process: prefill, score a tree in one pass, verify, commit the path."""
+    """A target in this process: prefill, score a tree in one pass, verify, commit the path. It works
+    on its own `KVCache` (default: the model's), so several can share one model's weights."""
 
-    def __init__(self, model: Transformer, encoder: ContextEncoder | None = None):
+    def __init__(self, model: Transformer, encoder: ContextEncoder | None = None, cache: KVCache | None = None,
+                 costs: dict[int, float] | None = None):
         self.model = model
         self.encoder = encoder
+        self.cache = model.cache if cache is None else cache
         self.eos_token_ids = model.cfg.eos_token_ids
-        self.max_seq_len = model.max_seq_len
+        self.max_seq_len = self.cache.size
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
+        self.costs = costs
 
     @property
     def length(self) -> int:
-        return self.model.length
+        return self.cache.length
 
-    def _context(self, first_slot: int, out: ForwardOut, rows: list[int] | slice) -> Any:
+    def pass_costs(self) -> dict[int, float]:
+        if self.costs is None:
+            self.costs = self.model.pass_costs()
+        return self.costs
+
+    def _context(self, first_slot: int, out: ForwardOut, rows: list[int] | slice) -> Context | None:
         if self.encoder is None:
             return None
-        slots = torch.arange(first_slot, self.model.length)
+        slots = torch.arange(first_slot, self.cache.length)
         hidden = {k: v[rows] for k, v in out.hidden.items()}
-        return self.encoder.encode(self.model, slots, hidden)
+        return self.encoder.encode(self.cache, slots, hidden)
+
+    def _step(self, verdict: Verdict, context: Context | None, t0: float) -> Step:
+        return Step(verdict, context, self.cache.length, (time.perf_counter() - t0) * 1e3)
 
     def start(self, prompt: list[int], params: SamplingParams) -> Step:
+        t0 = time.perf_counter()
         if not prompt:
             raise UserError("the prompt is empty")
         if len(prompt) >= self.max_seq_len:
@@ -75,22 +96,24 @@ class LocalTarget:
             )
         self.params = params
         self.generator = None if params.greedy else params.generator()
-        self.model.reset()
+        self.cache.reset()
         hidden = self.encoder.hidden_layers if self.encoder else ()
-        out = self.model.prefill(prompt, hidden_layers=hidden)
+        out = self.model.prefill(prompt, hidden_layers=hidden, cache=self.cache)
         logits = out.logits[-1]
         first = int(logits.argmax()) if params.greedy else sample(target_probs(logits, params), self.generator)
-        return Step(Verdict([], [], first), self._context(0, out, slice(None)))
+        return self._step(Verdict([], [], first), self._context(0, out, slice(None)), t0)
 
     def verify(self, tree: Tree) -> Step:
-        start = self.model.length
+        t0 = time.perf_counter()
+        start = self.cache.length
         single = len(tree) == 1
         out = self.model.forward(
             torch.tensor(tree.tokens),
             positions=None if single else tree.positions(start),
             tree_mask=None if single else tree.mask(),
             hidden_layers=self.encoder.hidden_layers if self.encoder else (),
+            cache=self.cache,
         )
         verdict = verify(tree, out.logits, self.params, self.generator)
-        self.model.commit(verdict.path)
-        return Step(verdict, self._context(start, out, verdict.path))
+        self.cache.commit(verdict.path)
+        return self._step(verdict, self._context(start, out, verdict.path), t0)

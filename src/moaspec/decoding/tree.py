@@ -144,9 +144,11 @@ class AdaptiveChain:
     accepted once j - 1 were, counted over this generation with a decay so that the estimate follows
     the text (code, prose, a quoted passage); a depth with few counts leans on the rate of the depth
     above it, so a chain that is accepted whole gets tried one longer.
-    The cost is a verify pass over d + 1 rows (the machine's calibrated cost per row count, scaled to
-    the verify time seen live, so a remote target's latency counts) plus d draft steps at their live
-    time. One draft token is the floor: it keeps acceptance measured and costs the least."""
+    The cost of a call is the network's share of it (what the call took beyond the target's own time:
+    zero in one process, the round trip to a remote target) plus the target's pass over d + 1 rows (the
+    calibrated cost per row count, scaled to the pass time seen live) plus d draft steps at their live
+    time. So a long round trip makes longer chains pay. One draft token is the floor: it keeps
+    acceptance measured and costs the least."""
 
     def __init__(self, verify_ms: dict[int, float], max_depth: int = 8, decay: float = 0.95):
         if 1 not in verify_ms:
@@ -168,7 +170,8 @@ class AdaptiveChain:
         self.offered = [0.0] * self.max_depth
         self.hits = [0.0] * self.max_depth
         self.step_ms: float | None = None  # one draft step
-        self.pass_ms: float | None = None  # one single-row verify pass
+        self.pass_ms: float | None = None  # one single-row verify pass of the target
+        self.net_ms = 0.0  # a call's time beyond the target's pass (the round trip, for a remote target)
 
     def choose(self) -> int:
         if self.step_ms is None or self.pass_ms is None:
@@ -178,13 +181,15 @@ class AdaptiveChain:
             a = (self.hits[d - 1] + 2 * a) / (self.offered[d - 1] + 2)  # prior: the depth above's rate
             reach *= a
             expected += reach
-            rate = expected / (self.pass_ms * self.rel[d] + d * self.step_ms)
+            rate = expected / (self.net_ms + self.pass_ms * self.rel[d] + d * self.step_ms)
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
 
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """After a call that verified a chain of `drafted` tokens and accepted `accepted` of them."""
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+               target_s: float | None = None) -> None:
+        """After a call that verified a chain of `drafted` tokens and accepted `accepted` of them in
+        `verify_s`, of which the target's own pass took `target_s` (default: all of it)."""
         if drafted <= 0:
             return
         self.offered = [x * self.decay for x in self.offered]
@@ -193,10 +198,14 @@ class AdaptiveChain:
         for j in range(min(accepted + 1, drafted, len(self.offered))):
             self.offered[j] += 1
             self.hits[j] += j < accepted
-        step, pass_ = draft_s * 1e3 / drafted, verify_s * 1e3 / self.rel[min(drafted, self.max_depth)]
+        target_s = verify_s if target_s is None else min(target_s, verify_s)
+        step, pass_ = draft_s * 1e3 / drafted, target_s * 1e3 / self.rel[min(drafted, self.max_depth)]
+        net = (verify_s - target_s) * 1e3
         ema = 0.8
-        self.step_ms = step if self.step_ms is None else ema * self.step_ms + (1 - ema) * step
+        first = self.step_ms is None
+        self.step_ms = step if first else ema * self.step_ms + (1 - ema) * step
         self.pass_ms = pass_ if self.pass_ms is None else ema * self.pass_ms + (1 - ema) * pass_
+        self.net_ms = net if first else ema * self.net_ms + (1 - ema) * net
 
 
 @dataclass(frozen=True)

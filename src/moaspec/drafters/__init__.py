@@ -10,7 +10,7 @@ from moaspec.errors import UserError
 
 if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
-    from moaspec.pipeline import SpecDecoder
+    from moaspec.models.parts import TargetParts
 
 DRAFTERS = ("auto", "none", "lookup", "suffix", "hybrid", "model", "moa", "eagle", "independent")
 TRAINED = ("moa", "eagle", "independent")  # drafters loaded from a checkpoint folder
@@ -46,10 +46,13 @@ def resolve_auto(model: str) -> str:
     return "lookup"
 
 
-def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None, drafter_path: str | None = None,
-                  hybrid_model: str = "moa", hybrid_policy: str = "switch") -> Drafter | None:
+def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: str | None = None,
+                  drafter_path: str | None = None, hybrid_model: str = "moa",
+                  hybrid_policy: str = "switch") -> Drafter | None:
+    """The drafter `name` for target `model_name`, whose frozen parts (a `Transformer`, or a
+    `PartialTarget` on a client) the trained drafters share."""
     if name == "auto":
-        name = resolve_auto(dec.model_name)
+        name = resolve_auto(model_name)
     if name == "none":
         return None
     if name == "lookup":
@@ -67,36 +70,34 @@ def build_drafter(name: str, dec: SpecDecoder, draft_model: str | None = None, d
         if hybrid_model not in HYBRID_MODELS:
             raise UserError(f"the hybrid drafter pairs the suffix drafter with one of {', '.join(HYBRID_MODELS)}; "
                             f"got {hybrid_model!r}")
-        model = build_drafter(hybrid_model, dec, draft_model=draft_model, drafter_path=drafter_path)
+        model = build_drafter(hybrid_model, model_name, target, draft_model=draft_model, drafter_path=drafter_path)
         return HybridDrafter(SuffixDrafter(), model, hybrid_policy)
     if name == "model":
         from moaspec.drafters.draft_model import DraftModelDrafter
         from moaspec.models.runtime import Transformer
-        from moaspec.models.store import resolve
+        from moaspec.models.store import load_tokenizer, resolve
 
-        draft_model = draft_model or DEFAULT_DRAFT_MODEL.get(dec.model_name)
+        draft_model = draft_model or DEFAULT_DRAFT_MODEL.get(model_name)
         if draft_model is None:
-            raise UserError(f"--drafter model needs --draft-model NAME for target {dec.model_name!r}")
+            raise UserError(f"--drafter model needs --draft-model NAME for target {model_name!r}")
         folder = resolve(draft_model)
-        from moaspec.pipeline import load_tokenizer
-
-        if load_tokenizer(folder).get_vocab() != dec.tokenizer.get_vocab():
+        if draft_model != model_name and \
+                load_tokenizer(folder).get_vocab() != load_tokenizer(resolve(model_name)).get_vocab():
             raise UserError(f"draft model {draft_model!r} does not share the target's tokenizer")
-        model = Transformer(folder, weights=dec.target.weights, device=dec.target.device,
-                            max_seq_len=dec.target.max_seq_len)
+        model = Transformer(folder, weights=target.weights, device=target.device, max_seq_len=target.max_seq_len)
         return DraftModelDrafter(model)
     if name in TRAINED:
         import importlib
 
-        from moaspec.models.store import weights_fingerprint
+        from moaspec.models.store import resolve, weights_fingerprint
 
-        folder = Path(drafter_path) if drafter_path else shipped_checkpoint(name, dec.model_name)
+        folder = Path(drafter_path) if drafter_path else shipped_checkpoint(name, model_name)
         if not folder.exists():
             raise UserError(
-                f"no {name} drafter for {dec.model_name!r} at {folder}: train one with "
-                f"`moaspec train --kind {name} --model {dec.model_name}` and pass --drafter-path, "
+                f"no {name} drafter for {model_name!r} at {folder}: train one with "
+                f"`moaspec train --kind {name} --model {model_name}` and pass --drafter-path, "
                 "or use --drafter lookup"
             )
         module = importlib.import_module(f"moaspec.drafters.{name}")
-        return module.load(folder, dec.target, dec.model_name, weights_fingerprint(dec.folder))
+        return module.load(folder, target, model_name, weights_fingerprint(resolve(model_name)))
     raise UserError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from moaspec.decoding.context import register
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.layers import DecoderLayer, DraftLinear, KVCache, rope
 from moaspec.drafters.trained import (
@@ -40,10 +41,13 @@ from moaspec.drafters.trained import (
     load_checkpoint,
     pending_mask,
     place_frontier,
+    read_checkpoint,
     read_checkpoint_config,
     save_checkpoint,
 )
 from moaspec.errors import UserError
+from moaspec.models.parts import TargetParts
+from moaspec.models.runtime import KVCache as TargetCache
 from moaspec.models.runtime import ModelConfig, Transformer
 
 KIND = "eagle"
@@ -96,18 +100,39 @@ class EagleConfig(TargetBoundConfig):
                    rope_theta=c.rope_theta, rms_eps=c.rms_eps, **sizes)
 
 
+@register
+@dataclass
+class Features:
+    """What the EAGLE drafter receives per newly verified token: the target's final normed state."""
+
+    kind: ClassVar[str] = "eagle"
+    states: torch.Tensor  # [n, D]
+
+    def __len__(self) -> int:
+        return self.states.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"states": self.states}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> Features:
+        if set(t) != {"states"} or t["states"].dim() != 2:
+            raise UserError(f"malformed EAGLE features: tensors {sorted(t)}")
+        return cls(t["states"])
+
+
 class FeatureEncoder:
     """Target side of EAGLE (`decoding.target.ContextEncoder`): the target's final normed hidden state of
-    each newly committed slot, [n, D]. No weights."""
+    each newly committed slot. No weights."""
 
     def __init__(self, num_layers: int):
         self.hidden_layers: tuple[int, ...] = (num_layers,)
 
-    def encode(self, target: Transformer, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+    def encode(self, cache: TargetCache, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> Features:
         f = hidden[self.hidden_layers[0]]
         if f.shape[0] != slots.shape[0]:
             raise RuntimeError(f"EAGLE features: {f.shape[0]} hidden rows for {slots.shape[0]} committed slots")
-        return f.clone()
+        return Features(f.clone())
 
 
 class EagleDrafter(TargetBoundDrafter):
@@ -182,8 +207,9 @@ class EagleDrafter(TargetBoundDrafter):
 
     def _add_context(self, context: Any) -> None:
         """Store the target's features of the newly committed slots."""
-        if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.shape[1] != self.cfg.hidden_size:
+        if not isinstance(context, Features) or context.states.shape[1] != self.cfg.hidden_size:
             raise UserError("the EAGLE drafter needs target features: pass drafter.encoder to the target")
+        context = context.states
         start, n = self.n_features, context.shape[0]
         if start + n > self.max_seq_len:
             raise UserError(f"EAGLE drafter context full ({start} + {n} > {self.max_seq_len} tokens)")
@@ -232,9 +258,15 @@ def read_config(folder: str | Path) -> EagleConfig:
     return read_checkpoint_config(folder, KIND, EagleConfig)
 
 
-def load(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> EagleDrafter:
+def load(folder: str | Path, target: TargetParts, target_name: str, fingerprint: str) -> EagleDrafter:
     """Load a drafter saved by `save` and attach it to `target` (UserError: other target, bad files)."""
     return load_checkpoint(folder, KIND, EagleDrafter, target, target_name, fingerprint)
+
+
+def load_encoder(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> FeatureEncoder:
+    """The target-side half of an EAGLE checkpoint (no weights: which hidden state it reads), for a server."""
+    cfg, _ = read_checkpoint(folder, KIND, EagleConfig, target.cfg, target_name, fingerprint)
+    return FeatureEncoder(cfg.num_layers)
 
 
 def param_count(cfg: EagleConfig) -> int:

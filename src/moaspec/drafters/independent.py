@@ -32,7 +32,8 @@ from moaspec.drafters.trained import (
     save_checkpoint,
 )
 from moaspec.errors import UserError
-from moaspec.models.runtime import ModelConfig, Transformer
+from moaspec.models.parts import TargetParts
+from moaspec.models.runtime import ModelConfig
 
 KIND = "independent"
 
@@ -173,7 +174,7 @@ def read_config(folder: str | Path) -> IndependentConfig:
     return read_checkpoint_config(folder, KIND, IndependentConfig)
 
 
-def load(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> IndependentDrafter:
+def load(folder: str | Path, target: TargetParts, target_name: str, fingerprint: str) -> IndependentDrafter:
     """Load a drafter saved by `save` and attach it to `target` (UserError: other target, bad files)."""
     return load_checkpoint(folder, KIND, IndependentDrafter, target, target_name, fingerprint)
 

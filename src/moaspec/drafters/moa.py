@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from moaspec.decoding.context import register
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.layers import (
     BlockKernels,
@@ -49,10 +50,13 @@ from moaspec.drafters.trained import (
     load_checkpoint,
     pending_mask,
     place_frontier,
+    read_checkpoint,
     read_checkpoint_config,
     save_checkpoint,
 )
 from moaspec.errors import UserError
+from moaspec.models.parts import TargetParts
+from moaspec.models.runtime import KVCache as TargetCache
 from moaspec.models.runtime import ModelConfig, Transformer, rms_norm
 
 KIND = "moa"
@@ -190,15 +194,33 @@ def tli_mask(start_idx: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- context encoder
+@register
 @dataclass
 class MoAContext:
     """What the drafter receives per newly verified token (the payload of the client-server seam)."""
 
+    kind: ClassVar[str] = "moa"
     vectors: torch.Tensor  # [n, D] context vectors c_t
     tail_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # target K, V of the last N layers [N, Hkv, n, d]
 
     def __len__(self) -> int:
         return self.vectors.shape[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"vectors": self.vectors}
+        if self.tail_kv is not None:
+            out["tail_k"], out["tail_v"] = self.tail_kv
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> MoAContext:
+        if "vectors" not in t or t["vectors"].dim() != 2 or ("tail_k" in t) != ("tail_v" in t):
+            raise UserError(f"malformed MoA context: tensors {sorted(t)}")
+        tail = (t["tail_k"], t["tail_v"]) if "tail_k" in t else None
+        if tail is not None and not (tail[0].shape == tail[1].shape and tail[0].dim() == 4
+                                     and tail[0].shape[2] == t["vectors"].shape[0]):
+            raise UserError("malformed MoA context: the target K/V do not match the context vectors")
+        return cls(t["vectors"], tail)
 
 
 class ContextEncoder(nn.Module):
@@ -234,7 +256,7 @@ class ContextEncoder(nn.Module):
     CHUNK = 32
 
     @torch.no_grad()
-    def encode(self, target: Transformer, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> MoAContext:
+    def encode(self, cache: TargetCache, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> MoAContext:
         """The `decoding.target.ContextEncoder` protocol: context for newly committed cache slots.
         `forward` on the inference path: the LSA of every new token's L layer rows in batched calls
         (`DecoderLayer.infer`), the projection in the target's weight mode."""
@@ -242,7 +264,7 @@ class ContextEncoder(nn.Module):
         n = len(ids)
         if n and ids == list(range(ids[0], ids[0] + n)):
             slots = slice(ids[0], ids[0] + n)  # the usual case: a view, no gather
-        K, V = target.kv(slots)  # [L, Hkv, n, d]
+        K, V = cache.kv(slots)  # [L, Hkv, n, d]
         L, E = self.cfg.num_layers, self.cfg.lsa_hidden
         x = torch.cat([K, V], -1).permute(2, 0, 1, 3).reshape(n, L, E)  # per head [k_h, v_h], as `layer_states`
         kern, proj = self.lsa.kernels(), self.proj.kernel()
@@ -291,12 +313,12 @@ class MoADrafter(TargetBoundDrafter):
         self.tli_cos = self.tli_sin = None
         self.reset()
 
-    def attach(self, target: Transformer) -> None:
+    def attach(self, target: TargetParts) -> None:
         """Share the target's embedding, LM head, final norm and last N layers (no copies)."""
         super().attach(target)
         self.final_norm = target.norm
         N = self.cfg.tli_layers
-        self.tli = [FrozenTargetLayer(layer, target.cfg) for layer in target.layers[target.cfg.num_layers - N:]]
+        self.tli = [FrozenTargetLayer(layer, target.cfg) for layer in target.tail_layers(N)]
         self.tli_cos, self.tli_sin = target.cos, target.sin
 
     # ------------------------------------------------------------------ shared math
@@ -465,10 +487,26 @@ def read_config(folder: str | Path) -> MoAConfig:
     return read_checkpoint_config(folder, KIND, MoAConfig)
 
 
-def load(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> MoADrafter:
+def load(folder: str | Path, target: TargetParts, target_name: str, fingerprint: str) -> MoADrafter:
     """Load a drafter saved by `save` and attach it to `target`. UserError for a checkpoint of another
     target (name, weights fingerprint or dimensions) and for missing or corrupt files."""
     return load_checkpoint(folder, KIND, MoADrafter, target, target_name, fingerprint)
+
+
+def load_encoder(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> ContextEncoder:
+    """The target-side half of a MoA checkpoint alone (Layer Self-Attention + projection), for a server."""
+    cfg, tensors = read_checkpoint(folder, KIND, MoAConfig, target.cfg, target_name, fingerprint, target.device)
+    encoder = ContextEncoder(cfg).to(target.device)
+    prefix = "encoder."
+    try:
+        encoder.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    except RuntimeError as e:
+        raise UserError(f"{folder}: the MoA encoder's weights do not match its config: {e}") from None
+    encoder.eval()
+    for m in encoder.modules():
+        if isinstance(m, DraftLinear):
+            m.mode = target.weights
+    return encoder
 
 
 def param_count(cfg: MoAConfig) -> int:
@@ -486,6 +524,7 @@ __all__ = [
     "ca_mask",
     "causal_mask",
     "load",
+    "load_encoder",
     "param_count",
     "read_config",
     "sa_curriculum_mask",

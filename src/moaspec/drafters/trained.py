@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -28,7 +29,8 @@ from moaspec.decoding.tree import Tree
 from moaspec.drafters.layers import DraftLinear, apply_rows, drafting_rows
 from moaspec.errors import UserError
 from moaspec.models.linear import Linear
-from moaspec.models.runtime import ModelConfig, Transformer
+from moaspec.models.parts import TargetParts
+from moaspec.models.runtime import ModelConfig
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -149,7 +151,7 @@ class TargetBoundDrafter(nn.Module):
 
     # ------------------------------------------------------------------ frozen target parts
     @classmethod
-    def from_target(cls, target: Transformer, cfg: Any, vocab_ids: torch.Tensor | None = None):
+    def from_target(cls, target: TargetParts, cfg: Any, vocab_ids: torch.Tensor | None = None):
         """A drafter (fresh trainable weights) with the target's frozen parts attached, on its device."""
         drafter = cls(cfg, max_seq_len=target.max_seq_len).to(target.device)
         drafter.attach(target)
@@ -157,7 +159,7 @@ class TargetBoundDrafter(nn.Module):
             drafter.set_vocab_ids(vocab_ids)
         return drafter
 
-    def attach(self, target: Transformer) -> None:
+    def attach(self, target: TargetParts) -> None:
         """Share the target's embedding and LM head (no copies)."""
         self.cfg.check_target(target.cfg)
         self.target_cfg = target.cfg
@@ -290,37 +292,59 @@ def read_checkpoint_config(folder: str | Path, kind: str, cfg_cls: type[TargetBo
         raise UserError(f"{path} is incomplete: {e}") from None
 
 
-def load_checkpoint(folder: str | Path, kind: str, cls: type[TargetBoundDrafter], target: Transformer,
-                    target_name: str, fingerprint: str) -> Any:
-    """Load a drafter saved by `save_checkpoint` and attach it to `target`. UserError for a checkpoint
-    of another target (name, weights fingerprint or dimensions) and for missing or corrupt files."""
+def read_checkpoint(folder: str | Path, kind: str, cfg_cls: type[TargetBoundConfig], target_cfg: ModelConfig,
+                    target_name: str, fingerprint: str, device: torch.device | str = "cpu") -> tuple[Any, dict]:
+    """(config, tensors) of a `kind` checkpoint made for this target. UserError for a checkpoint of
+    another target (name, weights fingerprint or dimensions), missing, corrupt or non-finite files."""
     folder = Path(folder)
-    label = cls.config_cls.label
-    cfg = read_checkpoint_config(folder, kind, cls.config_cls)
+    label = cfg_cls.label
+    cfg = read_checkpoint_config(folder, kind, cfg_cls)
     if cfg.target_fingerprint != fingerprint or cfg.target_name != target_name:
         raise UserError(
             f"the {label} drafter in {folder} was trained for target {cfg.target_name!r} (weights fingerprint "
             f"{cfg.target_fingerprint}), not for {target_name!r} (fingerprint {fingerprint}); "
             "use a drafter trained for this target"
         )
-    cfg.check_target(target.cfg)
+    cfg.check_target(target_cfg)
     path = folder / WEIGHTS_FILE
     if not path.is_file():
         raise UserError(f"the {label} drafter checkpoint {folder} has no {WEIGHTS_FILE}")
     try:
-        tensors = load_file(str(path), device=str(target.device))
+        tensors = load_file(str(path), device=str(device))
     except Exception as e:  # safetensors raises SafetensorError, OSError, ValueError... on bad files
         raise UserError(f"cannot read {path} (corrupt or truncated? retrain or copy it again): {e}") from None
+    if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
+        raise UserError(f"{path} holds non-finite weights")
+    return cfg, tensors
+
+
+def load_checkpoint(folder: str | Path, kind: str, cls: type[TargetBoundDrafter], target: TargetParts,
+                    target_name: str, fingerprint: str) -> Any:
+    """Load a drafter saved by `save_checkpoint` and attach it to `target` (`read_checkpoint`'s checks)."""
+    cfg, tensors = read_checkpoint(folder, kind, cls.config_cls, target.cfg, target_name, fingerprint, target.device)
+    path = Path(folder) / WEIGHTS_FILE
     drafter = cls.from_target(target, cfg)
     try:
         drafter.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
         raise UserError(f"{path} does not match its {CONFIG_FILE}: {e}") from None
-    if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
-        raise UserError(f"{path} holds non-finite weights")
     if cfg.vocab_ids and (drafter.vocab_ids.min() < 0 or drafter.vocab_ids.max() >= cfg.vocab_size):
         raise UserError(f"{path} holds vocabulary ids outside the target's vocabulary")
     return drafter.eval()
+
+
+def encoder_id(encoder: Any) -> str:
+    """A name for a drafter's target-side encoder that both ends of a client-server link compute: its
+    class and a hash of its weights, so that a server never encodes for a drafter trained otherwise."""
+    kind = type(encoder).__name__
+    h = hashlib.sha256(kind.encode())
+    if isinstance(encoder, nn.Module):
+        for name, t in sorted(encoder.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().to("cpu", torch.float16).contiguous().numpy().tobytes())
+    else:
+        h.update(repr(getattr(encoder, "hidden_layers", ())).encode())
+    return f"{kind}-{h.hexdigest()[:16]}"
 
 
 __all__ = [
@@ -332,9 +356,11 @@ __all__ = [
     "causal_mask",
     "check_dims",
     "check_heads",
+    "encoder_id",
     "load_checkpoint",
     "pending_mask",
     "place_frontier",
+    "read_checkpoint",
     "read_checkpoint_config",
     "save_checkpoint",
     "tree_rows_mask",

@@ -113,12 +113,55 @@ class ForwardOut:
     hidden: dict[int, torch.Tensor]  # layer index -> input of that layer [n, D]; num_layers -> final normed
 
 
-class Transformer:
-    """Llama/Qwen2 decoder with a static batch-1 KV cache.
+class KVCache:
+    """One sequence's K/V for every layer of a model: the per-request state, apart from the weights, so
+    that one set of weights serves many sessions (a server holds one cache per session).
 
-    Cache slots [0, length) hold committed tokens. `forward` writes new K/V at slots
-    [length, length + n) and attends to [0, length + n) under an optional mask; nothing is committed
-    until `commit`/`advance`, so a tree pass can be thrown away or compacted to its accepted path.
+    Slots [0, length) hold committed tokens; a forward pass writes tentative rows after them, which
+    `commit` keeps (compacted to the accepted path) or the next pass overwrites."""
+
+    def __init__(self, cfg: ModelConfig, size: int, device: torch.device | str = "cpu"):
+        shape = (cfg.num_layers, cfg.num_kv_heads, size, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device)
+        self.v = torch.zeros(shape, device=device)
+        self.size = size
+        self.length = 0
+
+    def advance(self, n: int) -> None:
+        """Keep the last forward's n rows as committed (a plain, in-order pass)."""
+        self.length += n
+
+    def commit(self, rows: list[int] | torch.Tensor) -> None:
+        """Keep rows (indices into the last forward's new tokens, in path order) and drop the rest."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.k.device)
+        n = rows.shape[0]
+        if n and not torch.equal(rows, torch.arange(n, device=self.k.device)):
+            src = self.length + rows
+            self.k[:, :, self.length:self.length + n] = self.k[:, :, src]
+            self.v[:, :, self.length:self.length + n] = self.v[:, :, src]
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        """Roll the committed prefix back to `length` tokens."""
+        if not 0 <= length <= self.length:
+            raise UserError(f"cannot truncate a {self.length}-token cache to {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def kv(self, positions: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (after RoPE) and V of every layer for cache slots: each [L, Hkv, n, d]."""
+        return self.k[:, :, positions], self.v[:, :, positions]
+
+
+class Transformer:
+    """Llama/Qwen2 decoder over a batch-1 `KVCache`.
+
+    `forward` writes new K/V at slots [length, length + n) of a cache and attends to [0, length + n)
+    under an optional mask; nothing is committed until the cache's `commit`/`advance`, so a tree pass
+    can be thrown away or compacted to its accepted path. Every call takes a `cache`; without one it
+    uses the model's own (`self.cache`), the single-session case.
     """
 
     def __init__(
@@ -149,11 +192,26 @@ class Transformer:
         del w
         self.max_seq_len = min(max_seq_len, cfg.max_position)
         self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
-        shape = (cfg.num_layers, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device)
-        self.v_cache = torch.zeros(shape, device=self.device)
-        self.length = 0
+        self.cache = self.new_cache()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def new_cache(self, size: int | None = None) -> KVCache:
+        """A cache of `size` slots (default: the model's context) for one more session."""
+        size = self.max_seq_len if size is None else size
+        if not 1 <= size <= self.max_seq_len:
+            raise UserError(f"a cache holds 1..{self.max_seq_len} tokens for this model, not {size}")
+        return KVCache(self.cfg, size, self.device)
+
+    @property
+    def length(self) -> int:
+        """Tokens committed in the model's own cache."""
+        return self.cache.length
+
+    def tail_layers(self, n: int) -> list[Layer]:
+        """The last n layers (what a drafter's Target Layer Inference runs)."""
+        if not 0 <= n <= self.cfg.num_layers:
+            raise UserError(f"the target has {self.cfg.num_layers} layers; cannot take the last {n}")
+        return self.layers[self.cfg.num_layers - n:]
 
     # ---------------------------------------------------------------- core
     @torch.inference_mode()
@@ -165,6 +223,7 @@ class Transformer:
         logits_rows: slice | torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
         embeds: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> ForwardOut:
         """Run n new tokens after the committed prefix.
 
@@ -174,10 +233,11 @@ class Transformer:
         logits_rows: which rows get LM-head logits (default all); hidden_layers: layer indices whose
         *input* hidden states to return (num_layers means the final normed state).
         """
+        cache = self.cache if cache is None else cache
         n = tokens.shape[0] if embeds is None else embeds.shape[0]
-        start = self.length
-        if start + n > self.max_seq_len:
-            raise ContextLengthError(f"context full: {start} + {n} tokens exceed the {self.max_seq_len}-token cache")
+        start = cache.length
+        if start + n > cache.size:
+            raise ContextLengthError(f"context full: {start} + {n} tokens exceed the {cache.size}-token cache")
         if positions is None:
             positions = torch.arange(start, start + n, device=self.device)
         cos, sin = self.cos[positions], self.sin[positions]
@@ -191,7 +251,7 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x
-            x = self.layer_forward(i, layer, x, cos, sin, mask, start)
+            x = self.layer_forward(i, layer, x, cos, sin, mask, cache)
         x = rms_norm(x, self.norm, self.cfg.rms_eps)
         if self.cfg.num_layers in hidden_layers:
             hidden[self.cfg.num_layers] = x
@@ -207,9 +267,10 @@ class Transformer:
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        start: int,
+        cache: KVCache,
     ) -> torch.Tensor:
         cfg = self.cfg
+        start = cache.length
         n = x.shape[0]
         h = rms_norm(x, layer.ln1, cfg.rms_eps)
         q = layer.q(h).view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
@@ -217,56 +278,45 @@ class Transformer:
         v = layer.v(h).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         end = start + n
-        self.k_cache[i, :, start:end] = k
-        self.v_cache[i, :, start:end] = v
+        cache.k[i, :, start:end] = k
+        cache.v[i, :, start:end] = v
         att = F.scaled_dot_product_attention(
-            q[None], self.k_cache[i, None, :, :end], self.v_cache[i, None, :, :end],
+            q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end],
             attn_mask=mask, scale=self.scale, enable_gqa=True,
         )[0]
         x = x + layer.o(att.transpose(0, 1).reshape(n, -1))
         h = rms_norm(x, layer.ln2, cfg.rms_eps).contiguous()
         return x + layer.down((F.silu(layer.gate(h)) * layer.up(h)).contiguous())
 
-    # ---------------------------------------------------------------- cache
+    # ---------------------------------------------------------------- the model's own cache
     def advance(self, n: int) -> None:
-        """Keep the last forward's n rows as committed (a plain, in-order pass)."""
-        self.length += n
+        self.cache.advance(n)
 
     def commit(self, rows: list[int] | torch.Tensor) -> None:
-        """Keep rows (indices into the last forward's new tokens, in path order) and drop the rest."""
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        n = rows.shape[0]
-        if n and not torch.equal(rows, torch.arange(n, device=self.device)):
-            src = self.length + rows
-            self.k_cache[:, :, self.length:self.length + n] = self.k_cache[:, :, src]
-            self.v_cache[:, :, self.length:self.length + n] = self.v_cache[:, :, src]
-        self.length += n
+        self.cache.commit(rows)
 
     def truncate(self, length: int) -> None:
-        """Roll the committed prefix back to `length` tokens."""
-        if not 0 <= length <= self.length:
-            raise UserError(f"cannot truncate a {self.length}-token cache to {length}")
-        self.length = length
+        self.cache.truncate(length)
 
     def reset(self) -> None:
-        self.length = 0
+        self.cache.reset()
 
     def kv(self, positions: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (after RoPE) and V of every layer for cache slots: each [L, Hkv, n, d]."""
-        return self.k_cache[:, :, positions], self.v_cache[:, :, positions]
+        return self.cache.kv(positions)
 
     # ---------------------------------------------------------------- helpers
     def prefill(self, tokens: list[int] | torch.Tensor, hidden_layers: tuple[int, ...] = (),
-                chunk: int = 512) -> ForwardOut:
+                chunk: int = 512, cache: KVCache | None = None) -> ForwardOut:
         """Append a prompt (in chunks, to bound attention memory) and return the last row's logits."""
+        cache = self.cache if cache is None else cache
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         outs: list[ForwardOut] = []
         for s in range(0, tokens.shape[0], chunk):
             piece = tokens[s:s + chunk]
             last = s + chunk >= tokens.shape[0]
             out = self.forward(piece, logits_rows=slice(-1, None) if last else slice(0, 0),
-                               hidden_layers=hidden_layers)
-            self.advance(piece.shape[0])
+                               hidden_layers=hidden_layers, cache=cache)
+            cache.advance(piece.shape[0])
             outs.append(out)
         hidden = {k: torch.cat([o.hidden[k] for o in outs]) for k in outs[-1].hidden}
         return ForwardOut(outs[-1].logits, hidden)

@@ -553,3 +553,11 @@ def weights_fingerprint(folder: str | os.PathLike[str]) -> str:
         tmp.write_text(json.dumps({"stamp": stamp, "fingerprint": fp}))
         os.replace(tmp, cache)
     return fp
+
+
+def load_tokenizer(folder: str | os.PathLike[str]):
+    """The model's tokenizer and chat template (transformers, offline: the store has the files)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))

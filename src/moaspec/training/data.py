@@ -148,7 +148,7 @@ class ShardWriter:
 # ---------------------------------------------------------------- building
 class Builder:
     def __init__(self, cfg: DataConfig, out_root: Path):
-        from moaspec.pipeline import load_tokenizer
+        from moaspec.models.store import load_tokenizer
 
         self.cfg = cfg
         self.out = Path(out_root) / cfg.folder_name()
@@ -314,7 +314,7 @@ class Builder:
 
 def texts(folder: str | Path) -> Iterator[str]:
     """Every sequence of a data folder as text (prompt and answer), decoded with its target's tokenizer."""
-    from moaspec.pipeline import load_tokenizer
+    from moaspec.models.store import load_tokenizer
 
     folder = Path(folder)
     if not shards(folder) or not (folder / "config.json").is_file():

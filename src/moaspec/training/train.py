@@ -188,7 +188,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
-        from moaspec.pipeline import load_tokenizer
+        from moaspec.models.store import load_tokenizer
 
         self.cfg = cfg
         specs = student_specs(cfg.kind, cfg.tli_layers)

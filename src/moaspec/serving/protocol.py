@@ -1,0 +1,148 @@
+"""The target server's wire protocol: one WebSocket per session, one binary frame per message.
+
+A frame is `u32 header length | JSON header | body`, the body being a drafter context as
+safetensors bytes (`decoding.context.encode`) or empty. Token ids, tree parents and verdicts are
+small and go in the header; tensors never do. Every message a client sends is checked here, before
+it reaches the model, so a malformed one is an `ProtocolError` answered with an error frame.
+
+Client -> server:
+- {"type": "start", "prompt": [ids], "sampling": {temperature, top_p, top_k, seed},
+   "encoder": null | {"kind": "moa", "id": "<hash of its weights>"}, "wire": "fp16" | "fp32" | "int8"}
+- {"type": "verify", "tokens": [ids], "parents": [ints], "dists": {"<node>": [[ids], [probs]]}}
+- {"type": "ping"}
+Server -> client:
+- {"type": "ready", "model", "fingerprint", "max_seq_len", "eos", "pass_costs", "encoders", "limits"}
+  on connect
+- {"type": "step", "path", "accepted", "bonus", "length", "target_ms"} + context bytes
+- {"type": "pong"}, {"type": "error", "message", "fatal"}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.tree import DraftDist, Tree
+from moaspec.errors import UserError
+
+ENDPOINT = "/v1/target"  # the WebSocket path of a target session
+HEADER = struct.Struct("<I")
+MAX_HEADER = 1 << 20  # a header over 1 MiB is not a message of this protocol
+
+
+class ProtocolError(UserError):
+    """A message that breaks the protocol or the server's limits (the server answers it, never crashes)."""
+
+
+def pack(header: dict[str, Any], body: bytes = b"") -> bytes:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return HEADER.pack(len(raw)) + raw + body
+
+
+def unpack(frame: bytes | str) -> tuple[dict[str, Any], bytes]:
+    """(header, body) of a frame; ProtocolError for anything else."""
+    if not isinstance(frame, (bytes, bytearray)) or len(frame) < HEADER.size:
+        raise ProtocolError("expected a binary frame: u32 header length, JSON header, body")
+    (n,) = HEADER.unpack_from(frame)
+    if n > MAX_HEADER or HEADER.size + n > len(frame):
+        raise ProtocolError(f"bad header length {n} in a {len(frame)}-byte frame")
+    try:
+        header = json.loads(bytes(frame[HEADER.size:HEADER.size + n]))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ProtocolError(f"the header is not JSON: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise ProtocolError("the header must be a JSON object with a string 'type'")
+    return header, bytes(frame[HEADER.size + n:])
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may ask of a target server."""
+
+    max_prompt_tokens: int = 3072
+    max_seq_len: int = 4096  # prompt + generated tokens + one tree, per session
+    max_tree_tokens: int = 128  # nodes of one draft tree, the root included
+    max_sessions: int = 4  # open sessions per bearer token
+    idle_timeout_s: float = 300.0  # a session without a message for this long is closed
+    max_message_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_seq_len", "max_tree_tokens", "max_sessions", "max_message_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise UserError(f"server limit {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_prompt_tokens >= self.max_seq_len:
+            raise UserError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_seq_len "
+                            f"({self.max_seq_len})")
+        if not self.idle_timeout_s > 0:
+            raise UserError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+
+
+def _ints(value: Any, name: str, lo: int, hi: int, max_len: int) -> list[int]:
+    if not isinstance(value, list) or not value or len(value) > max_len:
+        raise ProtocolError(f"'{name}' must be a list of 1..{max_len} integers")
+    if not all(type(v) is int and lo <= v < hi for v in value):
+        raise ProtocolError(f"'{name}' must hold integers in {lo}..{hi - 1}")
+    return value
+
+
+def check_prompt(header: dict[str, Any], vocab: int, limits: Limits) -> list[int]:
+    prompt = header.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > limits.max_prompt_tokens:
+        raise ProtocolError(f"the prompt has {len(prompt)} tokens; this server takes at most "
+                            f"{limits.max_prompt_tokens}")
+    return _ints(prompt, "prompt", 0, vocab, limits.max_prompt_tokens)
+
+
+def sampling_to_wire(p: SamplingParams) -> dict[str, Any]:
+    return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed}
+
+
+def sampling_from_wire(raw: Any) -> SamplingParams:
+    if not isinstance(raw, dict) or set(raw) - {"temperature", "top_p", "top_k", "seed"}:
+        raise ProtocolError("'sampling' must be an object with temperature, top_p, top_k, seed")
+    t, p, k, seed = (raw.get("temperature", 0.0), raw.get("top_p", 1.0), raw.get("top_k", 0), raw.get("seed"))
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (t, p)) or type(k) is not int \
+            or not (seed is None or type(seed) is int):
+        raise ProtocolError("'sampling' holds values of the wrong type")
+    try:
+        return SamplingParams(float(t), float(p), k, seed)
+    except UserError as e:
+        raise ProtocolError(str(e)) from None
+
+
+def tree_to_wire(tree: Tree) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "verify", "tokens": tree.tokens, "parents": tree.parents}
+    if tree.dists:
+        out["dists"] = {str(node): [list(q.ids), list(q.probs)] for node, q in tree.dists.items()}
+    return out
+
+
+def tree_from_wire(header: dict[str, Any], vocab: int, limits: Limits) -> Tree:
+    n = limits.max_tree_tokens
+    tokens = _ints(header.get("tokens"), "tokens", 0, vocab, n)
+    parents = header.get("parents")
+    if not isinstance(parents, list) or len(parents) != len(tokens) or parents[0] != -1 \
+            or not all(type(p) is int for p in parents):
+        raise ProtocolError("'parents' must list one integer per token, -1 for the root first")
+    dists = {}
+    raw = header.get("dists", {})
+    if not isinstance(raw, dict) or len(raw) > len(tokens):
+        raise ProtocolError("'dists' must map tree nodes to [ids, probs]")
+    for node, value in raw.items():
+        if not (isinstance(node, str) and node.isdigit() and isinstance(value, list) and len(value) == 2):
+            raise ProtocolError("'dists' must map tree nodes to [ids, probs]")
+        ids = _ints(value[0], "dists ids", 0, vocab, vocab)
+        probs = value[1]
+        if not isinstance(probs, list) or len(probs) != len(ids) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                for x in probs):
+            raise ProtocolError("'dists' probabilities must be one finite number >= 0 per id")
+        dists[int(node)] = DraftDist(tuple(ids), tuple(float(x) for x in probs))
+    try:
+        return Tree(tokens, parents, dists=dists)
+    except ValueError as e:
+        raise ProtocolError(f"bad draft tree: {e}") from None

@@ -1,0 +1,180 @@
+"""The client's view of a remote target: `TargetSide` over one WebSocket (`serving.target_server`).
+
+The engine runs unchanged against it: `start` and `verify` become one frame each way, the drafter's
+context arrives as safetensors bytes and is decoded here. It counts calls and bytes each way.
+A connection that fails or times out raises `TargetUnavailable`, which the disconnection logic
+turns into drafter-only generation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.sync.client import ClientConnection, connect
+
+from moaspec.decoding.context import decode as decode_context
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.target import Step
+from moaspec.decoding.tree import Tree
+from moaspec.decoding.verify import Verdict
+from moaspec.errors import UserError
+from moaspec.serving.protocol import ENDPOINT, pack, sampling_to_wire, tree_to_wire, unpack
+
+TOKEN_ENV = "MOASPEC_TOKEN"
+
+
+class TargetUnavailable(UserError):
+    """The target server cannot be reached, or stopped answering."""
+
+
+def read_token(token_file: str | None = None) -> str:
+    """The bearer token: the first line of `token_file`, else $MOASPEC_TOKEN; UserError if neither."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip().splitlines()[0].strip() if Path(token_file).stat().st_size \
+                else ""
+        except OSError as e:
+            raise UserError(f"cannot read the token file {token_file}: {e.strerror}") from None
+        if not token:
+            raise UserError(f"the token file {token_file} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise UserError(f"no bearer token: pass --token-file or set {TOKEN_ENV}")
+    return token
+
+
+def target_url(url: str) -> str:
+    """A server address as the WebSocket URL of its target endpoint (http(s):// and ws(s):// both work)."""
+    for a, b in (("http://", "ws://"), ("https://", "wss://")):
+        if url.startswith(a):
+            url = b + url[len(a):]
+    if not url.startswith(("ws://", "wss://")):
+        raise UserError(f"a target server URL starts with ws://, wss://, http:// or https://; got {url!r}")
+    return url if url.rstrip("/").endswith(ENDPOINT) else url.rstrip("/") + ENDPOINT
+
+
+class RemoteTarget:
+    """`decoding.target.TargetSide` for a target served by `moaspec serve-target`."""
+
+    def __init__(self, url: str, token: str, encoder: str | None = None, wire: str = "fp16",
+                 timeout_s: float = 30.0, connect_timeout_s: float = 10.0):
+        self.url, self.token, self.encoder, self.wire = target_url(url), token, encoder, wire
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.ws: ClientConnection | None = None
+        self.info: dict[str, Any] = {}
+        self.calls = 0
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.connect()
+
+    # ---------------------------------------------------------------- connection
+    def connect(self) -> None:
+        """Open a session; checks the server's target and that it offers this drafter's encoder."""
+        self.close()
+        try:
+            opening = connect(self.url, additional_headers={"Authorization": f"Bearer {self.token}"},
+                              open_timeout=self.connect_timeout_s, max_size=64 << 20, compression=None)
+            self.ws = opening.__enter__()  # a connection that outlives this call; `close` ends it
+        except InvalidStatus as e:
+            code = e.response.status_code
+            if code in (401, 403):
+                raise UserError(f"the target server at {self.url} refused the bearer token (HTTP {code})") from None
+            raise TargetUnavailable(f"the target server at {self.url} answered HTTP {code}") from None
+        except (OSError, TimeoutError, InvalidHandshake) as e:
+            raise TargetUnavailable(f"cannot reach the target server at {self.url}: {e}") from None
+        header, _ = self._recv()
+        if header.get("type") != "ready":
+            raise UserError(f"{self.url} did not open a target session (got {header.get('type')!r})")
+        self.info = header
+        self.check_encoder()
+        self.eos_token_ids = tuple(header["eos"])
+        self.max_seq_len = int(header["max_seq_len"])
+
+    def check_encoder(self) -> None:
+        """UserError unless the server offers the encoder of this client's drafter."""
+        offered = self.info.get("encoders", [])
+        if self.encoder is not None and self.encoder not in offered:
+            raise UserError(f"the server's target ({self.info.get('model')}) has no encoder for this drafter "
+                            f"({self.encoder}); it offers {', '.join(offered) or 'none'}: use a drafter checkpoint "
+                            "the server loads, or a token-only drafter (lookup, suffix)")
+
+    def close(self) -> None:
+        if self.ws is not None:
+            try:
+                self.ws.close()
+            except Exception:  # closing a broken connection may fail in several ways; it is gone either way
+                pass
+            self.ws = None
+
+    def __enter__(self) -> RemoteTarget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def model(self) -> str:
+        return self.info.get("model", "")
+
+    @property
+    def fingerprint(self) -> str:
+        return self.info.get("fingerprint", "")
+
+    def pass_costs(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in self.info.get("pass_costs", {}).items()}
+
+    # ---------------------------------------------------------------- calls
+    def _send(self, frame: bytes) -> None:
+        if self.ws is None:
+            raise TargetUnavailable("not connected to the target server")
+        try:
+            self.ws.send(frame)
+        except (ConnectionClosed, OSError) as e:
+            raise TargetUnavailable(f"the target server connection broke: {e}") from None
+        self.bytes_out += len(frame)
+
+    def _recv(self) -> tuple[dict[str, Any], bytes]:
+        try:
+            frame = self.ws.recv(timeout=self.timeout_s)
+        except TimeoutError:
+            raise TargetUnavailable(f"the target server did not answer within {self.timeout_s:.0f} s") from None
+        except (ConnectionClosed, OSError) as e:
+            raise TargetUnavailable(f"the target server connection broke: {e}") from None
+        self.bytes_in += len(frame)
+        header, body = unpack(frame)
+        if header["type"] == "error":
+            if header.get("fatal"):
+                self.close()
+            raise UserError(f"target server: {header.get('message')}")
+        return header, body
+
+    def _step(self, frame: bytes) -> Step:
+        self._send(frame)
+        header, body = self._recv()
+        if header["type"] != "step":
+            raise UserError(f"unexpected reply {header['type']!r} from the target server")
+        self.calls += 1
+        context = decode_context(body) if body else None
+        verdict = Verdict(list(header["path"]), list(header["accepted"]), int(header["bonus"]))
+        return Step(verdict, context, int(header["length"]), float(header["target_ms"]))
+
+    def start(self, prompt: list[int], params: SamplingParams) -> Step:
+        if self.ws is None:
+            self.connect()
+        return self._step(pack({"type": "start", "prompt": list(prompt), "sampling": sampling_to_wire(params),
+                                "encoder": self.encoder, "wire": self.wire}))
+
+    def verify(self, tree: Tree) -> Step:
+        return self._step(pack(tree_to_wire(tree)))
+
+    def ping(self) -> float:
+        """One round trip, in ms."""
+        t = time.perf_counter()
+        self._send(pack({"type": "ping"}))
+        self._recv()
+        return (time.perf_counter() - t) * 1e3

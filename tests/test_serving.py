@@ -1,0 +1,229 @@
+"""Client-server mode on loopback: a real uvicorn server in this process (its own thread and event
+loop), real WebSocket clients, the shaping proxy between them.
+
+Lossless over the network (greedy output equal to plain single-device decoding, for token-only and
+context drafters), the wire encodings, the partial target, and the server's guards: bearer token,
+malformed and oversized messages, limits, session isolation.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import uvicorn
+from websockets.sync.client import connect
+
+from moaspec.decoding.context import decode, encode
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.target import LocalTarget
+from moaspec.drafters.moa import MoAContext
+from moaspec.errors import UserError
+from moaspec.models.parts import PartialTarget
+from moaspec.models.runtime import Transformer
+from moaspec.models.store import weights_fingerprint
+from moaspec.pipeline import SpecDecoder
+from moaspec.serving.protocol import ENDPOINT, Limits, pack, unpack
+from moaspec.serving.remote import RemoteTarget, TargetUnavailable
+from moaspec.serving.shaping import ShapingProxy
+from moaspec.serving.target_server import TargetServer, load_encoders
+
+SMOL = "smollm2-135m"
+TOKEN = "test-token-123"
+PROMPT = "Write a Python function that returns the squares of a list of numbers."
+COSTS = {1: 10.0, 2: 10.2, 4: 10.8, 8: 12.0}
+
+
+class Running:
+    """A uvicorn server on a free loopback port, in a thread."""
+
+    def __init__(self, server: TargetServer):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        config = uvicorn.Config(server.app, host="127.0.0.1", port=self.port, log_level="error",
+                                ws_max_size=server.limits.max_message_bytes)
+        self.uv = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.uv.started:
+                break
+            time.sleep(0.05)
+        assert self.uv.started, "the server did not start"
+        self.url = f"ws://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(smol_folder):
+    model = Transformer(smol_folder)
+    fp = weights_fingerprint(smol_folder)
+    server = TargetServer(model, SMOL, fp, TOKEN, load_encoders(model, SMOL, fp),
+                          Limits(max_prompt_tokens=512, max_seq_len=1024, max_tree_tokens=32, max_sessions=3,
+                                 max_message_bytes=1 << 16), pass_costs=COSTS)
+    run = Running(server)
+    yield server, run
+    run.stop()
+
+
+def _cfg(n: int = 48) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=n)
+
+
+def test_partial_target_loads_only_what_a_drafter_shares(smol_folder, smol_model):
+    parts = PartialTarget(smol_folder)
+    assert torch.equal(parts.embed, smol_model.embed) and torch.equal(parts.norm, smol_model.norm)
+    assert parts.tail == 0 and parts.num_parameters() < smol_model.num_parameters() / 3
+    layer = parts.tail_layers(2)[0]  # read on demand
+    assert parts.tail == 2 and torch.equal(layer.ln1, smol_model.tail_layers(2)[0].ln1)
+    with pytest.raises(UserError, match="layers"):
+        parts.tail_layers(smol_model.cfg.num_layers + 1)
+
+
+@pytest.mark.parametrize("wire,tol", [("fp32", 0.0), ("fp16", 1e-3), ("int8", 2e-2)])
+def test_context_wire_encodings(wire, tol):
+    g = torch.Generator().manual_seed(0)
+    ctx = MoAContext(torch.randn(5, 64, generator=g), (torch.randn(1, 2, 5, 8, generator=g),
+                                                        torch.randn(1, 2, 5, 8, generator=g)))
+    data = encode(ctx, wire)
+    back = decode(data)
+    assert isinstance(back, MoAContext) and len(back) == 5
+    for a, b in zip(ctx.tensors().values(), back.tensors().values(), strict=True):
+        assert (a - b).abs().max() <= tol * a.abs().max() + 1e-12
+    sizes = {w: len(encode(ctx, w)) for w in ("fp32", "fp16", "int8")}
+    assert sizes["int8"] < sizes["fp16"] < sizes["fp32"]
+    with pytest.raises(UserError, match="malformed"):
+        decode(b"not safetensors")
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "moa", "eagle"])
+def test_remote_generation_equals_plain(served, dec_none, drafter):
+    server, run = served
+    want = dec_none.generate(PROMPT, _cfg()).token_ids
+    client = SpecDecoder(SMOL, drafter=drafter, target_url=run.url, token=TOKEN, tree="adaptive:4")
+    got = client.generate(PROMPT, _cfg())
+    assert got.token_ids == want
+    remote = client.remote
+    assert remote.calls == got.metrics.target_calls + 1  # + the prefill
+    assert remote.bytes_out > 0 and remote.bytes_in > 0
+    if drafter != "lookup":  # context for every verified token came back
+        assert remote.bytes_in > 2 * len(want) * client.target.cfg.hidden_size
+    remote.close()
+
+
+def test_remote_through_a_shaped_link_equals_plain(served, dec_none):
+    server, run = served
+    want = dec_none.generate(PROMPT, _cfg(24)).token_ids
+    with ShapingProxy(("127.0.0.1", run.port), profile="wifi") as proxy:
+        client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
+                             tree="adaptive:4", wire="int8")
+        got = client.generate(PROMPT, _cfg(24))
+        assert got.token_ids == want
+        assert client.remote.ping() >= 2 * proxy.profile.delay_ms * 0.9
+        traffic = proxy.traffic()
+        assert traffic.to_server >= client.remote.bytes_out and traffic.to_client >= client.remote.bytes_in
+        client.remote.close()
+
+
+def test_bad_token_and_no_token_are_refused(served):
+    _, run = served
+    with pytest.raises(UserError, match="refused the bearer token"):
+        RemoteTarget(run.url, "wrong-token")
+    with pytest.raises(Exception):  # noqa: B017 - the handshake itself is rejected (HTTP 403)
+        connect(run.url + ENDPOINT).__enter__().close()
+
+
+def test_unreachable_server_is_target_unavailable():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    with pytest.raises(TargetUnavailable):
+        RemoteTarget(f"ws://127.0.0.1:{port}", TOKEN, connect_timeout_s=2)
+
+
+def _raw(run):
+    ws = connect(run.url + ENDPOINT, additional_headers={"Authorization": f"Bearer {TOKEN}"}).__enter__()
+    header, _ = unpack(ws.recv(timeout=10))
+    assert header["type"] == "ready"
+    return ws
+
+
+def _ask(ws, frame) -> dict:
+    ws.send(frame)
+    return unpack(ws.recv(timeout=30))[0]
+
+
+def test_malformed_messages_get_errors_and_the_session_survives(served, smol_tokenizer):
+    server, run = served
+    ws = _raw(run)
+    prompt = smol_tokenizer.encode("Hello there")
+    bad = [
+        b"\x00",  # too short to be a frame
+        b"\xff\xff\xff\x00garbage",  # header length past the frame
+        (5).to_bytes(4, "little") + b"nope!",  # not JSON
+        pack({"type": "fly"}),
+        pack({"type": "verify", "tokens": [1], "parents": [-1]}),  # before start
+        pack({"type": "start", "prompt": []}),
+        pack({"type": "start", "prompt": ["a"]}),
+        pack({"type": "start", "prompt": [10**9]}),
+        pack({"type": "start", "prompt": list(range(600))}),  # over max_prompt_tokens
+        pack({"type": "start", "prompt": prompt, "sampling": {"temperature": -1}}),
+        pack({"type": "start", "prompt": prompt, "sampling": {"temperature": "hot"}}),
+        pack({"type": "start", "prompt": prompt, "encoder": "someone-else"}),
+        pack({"type": "start", "prompt": prompt, "wire": "int3"}),
+    ]
+    for frame in bad:
+        reply = _ask(ws, frame)
+        assert reply["type"] == "error" and not reply["fatal"], (frame[:40], reply)
+    step = _ask(ws, pack({"type": "start", "prompt": prompt}))
+    assert step["type"] == "step" and step["length"] == len(prompt)
+    for frame in (pack({"type": "verify", "tokens": [step["bonus"]] * 40, "parents": [-1, *range(39)]}),  # > 32
+                  pack({"type": "verify", "tokens": [1, 2], "parents": [-1, 5]}),
+                  pack({"type": "verify", "tokens": [1, 2], "parents": [-1, 0], "dists": {"0": [[3], [1.0]]}})):
+        reply = _ask(ws, frame)
+        assert reply["type"] == "error" and not reply["fatal"]
+    step2 = _ask(ws, pack({"type": "verify", "tokens": [step["bonus"]], "parents": [-1]}))
+    assert step2["type"] == "step" and step2["length"] == len(prompt) + 1
+    ws.close()
+
+
+def test_oversized_message_closes_only_that_session(served):
+    server, run = served
+    ws = _raw(run)
+    ws.send(pack({"type": "start", "prompt": [1] * 40000}))  # > max_message_bytes (64 KiB)
+    with pytest.raises(Exception):  # noqa: B017 - the server closes the connection (1009)
+        ws.recv(timeout=10)
+    other = _raw(run)  # the server is still up
+    assert _ask(other, pack({"type": "ping"}))["type"] == "pong"
+    other.close()
+
+
+def test_sessions_per_token_are_bounded_and_isolated(served, smol_tokenizer, dec_none):
+    server, run = served
+    time.sleep(0.3)  # let earlier tests' sessions close
+    a, b = _raw(run), _raw(run)
+    c = _raw(run)
+    with pytest.raises(Exception):  # noqa: B017 - the fourth session is refused (1013)
+        d = connect(run.url + ENDPOINT, additional_headers={"Authorization": f"Bearer {TOKEN}"}).__enter__()
+        d.recv(timeout=10)
+    # two sessions on one set of weights, interleaved, each sees only its own cache
+    pa, pb = smol_tokenizer.encode("The capital of France is"), smol_tokenizer.encode("def fibonacci(n):")
+    sa, sb = _ask(a, pack({"type": "start", "prompt": pa})), _ask(b, pack({"type": "start", "prompt": pb}))
+    ra = _ask(a, pack({"type": "verify", "tokens": [sa["bonus"]], "parents": [-1]}))
+    rb = _ask(b, pack({"type": "verify", "tokens": [sb["bonus"]], "parents": [-1]}))
+    assert ra["length"] == len(pa) + 1 and rb["length"] == len(pb) + 1
+    local = LocalTarget(dec_none.target)
+    for prompt, s, r in ((pa, sa, ra), (pb, sb, rb)):
+        assert r["bonus"] == local.start(prompt + [s["bonus"]], SamplingParams()).verdict.bonus
+    for ws in (a, b, c):
+        ws.close()
