@@ -12,12 +12,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from moaspec.bench.answers import answer_path, read_answers
 from moaspec.decoding.tree import TreeConfig
 
 
 def load(out: Path) -> tuple[dict, dict[tuple[float, str], dict[str, dict]]]:
-    from moaspec.bench.suite import answer_path, read_answers
-
     meta = json.loads((out / "meta.json").read_text())
     temps = meta["config"]["temperatures"]
     answers = {(t, m): read_answers(answer_path(out, m, t)) for t in temps for m in meta["methods"]}

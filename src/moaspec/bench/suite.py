@@ -3,8 +3,8 @@ would otherwise pick.
 
 Every method answers every question in turn (interleaved per question, so machine drift hits all
 alike) on one loaded copy of the target. Answers go to FastChat-style JSON lines, one file per
-method and temperature, which are the record: the report (`bench.report`) is computed from them
-alone, and an interrupted run resumes from them.
+method and temperature (`bench.answers`), which are the record: the report (`bench.report`) is
+computed from them alone, and an interrupted run resumes from them.
 
 Methods:
 - `plain`: this runtime, no drafter (the speedup reference); `hf`: transformers `generate`;
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moaspec.bench import llamacpp
+from moaspec.bench import llamacpp, report
+from moaspec.bench.answers import answer_path, read_answers
 from moaspec.bench.tasks import Question, load_tasks
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
@@ -291,23 +292,6 @@ class Bench:
 
 
 # -------------------------------------------------------------------- answer files
-def answer_path(out: Path, method: str, temperature: float) -> Path:
-    return out / "answers" / f"T{temperature:g}" / f"{method}.jsonl"
-
-
-def read_answers(path: Path) -> dict[str, dict]:
-    """question id -> record; a torn last line (interrupted run) is dropped."""
-    done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-                done[r["question_id"]] = r
-            except (ValueError, KeyError, TypeError):
-                continue
-    return done
-
-
 def answer_record(model: str, method: str, q: Question, turns: list[TurnResult], tree: TreeConfig | None) -> dict:
     """One FastChat-style answer line (plus the token ids, which the T=0 identity check reads)."""
     return {
@@ -333,8 +317,6 @@ def answer_record(model: str, method: str, q: Question, turns: list[TurnResult],
 def run(cfg: BenchConfig) -> Path:
     """Answer every question with every method (resuming from existing answer files), then write the
     report. Returns the report path."""
-    from moaspec.bench import report
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     methods, notes = resolve_methods(cfg)
