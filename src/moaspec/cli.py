@@ -1,4 +1,4 @@
-"""Command line: `moaspec generate | chat | data | train | models list | models install`.
+"""Command line: `moaspec generate | chat | serve-target | data | train | export | bench | models`.
 
 Thin on purpose: it parses arguments, checks what it can before loading a model (so mistakes fail
 at once), and calls the package. Errors the user can fix (`moaspec.errors.UserError`, bad
@@ -23,6 +23,7 @@ from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, HYBRID_MODELS, HYBRI
 from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
+from moaspec.serving.protocol import Limits
 
 EXIT_USAGE = 2
 EXIT_INTERRUPT = 130
@@ -41,7 +42,8 @@ class _Parser(argparse.ArgumentParser):
 # ------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moaspec", description="Speculative decoding with a Mixture-of-Attentions drafter (CPU).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{generate,chat,data,train,export,bench,models}")
+    sub = p.add_subparsers(dest="command", required=True,
+                           metavar="{generate,chat,serve-target,data,train,export,bench,models}")
 
     g = sub.add_parser("generate", help="generate a completion for one prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -61,6 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    st = sub.add_parser("serve-target", help="serve the target model to remote drafters (client-server mode)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    st.add_argument("--model", default=DEFAULT_MODEL, help=f"target: {', '.join(MODELS)}")
+    st.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
+    st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    st.add_argument("--port", type=int, default=8765)
+    st.add_argument("--token-file", metavar="PATH", help="file whose first line is the bearer token clients must "
+                    "send (default: $MOASPEC_TOKEN)")
+    st.add_argument("--drafter-path", metavar="LABEL=DIR", action="append", default=[],
+                    help="a drafter checkpoint whose target-side encoder to offer (repeatable; default: every "
+                         "drafter shipped for the target)")
+    lim = Limits()
+    st.add_argument("--max-prompt-tokens", type=int, default=lim.max_prompt_tokens)
+    st.add_argument("--max-context", type=int, default=lim.max_seq_len, help="KV-cache size per session")
+    st.add_argument("--max-tree-tokens", type=int, default=lim.max_tree_tokens, help="nodes of one draft tree")
+    st.add_argument("--max-sessions", type=int, default=lim.max_sessions, help="open sessions per token")
+    st.add_argument("--idle-timeout", type=float, default=lim.idle_timeout_s, help="seconds before an idle "
+                    "session is closed")
+    st.set_defaults(func=cmd_serve_target)
 
     d = sub.add_parser("data", help="training data: the target's answers to diverse prompts, and package text",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -168,6 +190,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint folder of a trained drafter (moa, eagle, independent, or the one of "
                         "--hybrid-model); default: the one shipped for the target")
     g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers")
+    g.add_argument("--target", metavar="URL", help="verify on a `moaspec serve-target` server (ws://host:port): "
+                   "only the drafter and the embedding/LM head run here")
+    g.add_argument("--token-file", metavar="PATH", help="--target: file whose first line is the server's bearer "
+                   "token (default: $MOASPEC_TOKEN)")
+    g.add_argument("--wire", default="fp16", choices=("fp32", "fp16", "int8"),
+                   help="--target: precision of the drafter context the server sends back")
     g.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
     t = p.add_argument_group("draft tree (EAGLE-2 shape); default: calibrated to this machine's verify cost "
@@ -299,10 +327,48 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _load_decoder(args: argparse.Namespace, tree: TreeConfig):
     from moaspec.pipeline import SpecDecoder
 
+    token = None
+    if args.target:
+        from moaspec.serving.remote import read_token
+
+        token = read_token(args.token_file)
     return SpecDecoder(args.model, drafter=args.drafter, draft_model=args.draft_model,
                        drafter_path=args.drafter_path, weights=args.weights,
                        tree=tree, max_seq_len=args.max_context,
-                       hybrid_model=args.hybrid_model, hybrid_policy=args.hybrid_policy)
+                       hybrid_model=args.hybrid_model, hybrid_policy=args.hybrid_policy,
+                       target_url=args.target, token=token, wire=args.wire)
+
+
+def cmd_serve_target(args: argparse.Namespace) -> int:
+    from moaspec.serving.remote import read_token
+
+    token = read_token(args.token_file)
+    limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_seq_len=args.max_context,
+                    max_tree_tokens=args.max_tree_tokens, max_sessions=args.max_sessions,
+                    idle_timeout_s=args.idle_timeout)
+    folders = None
+    if args.drafter_path:
+        folders = {}
+        for item in args.drafter_path:
+            label, sep, folder = item.partition("=")
+            if not sep or not label or not folder:
+                raise UserError(f"--drafter-path takes LABEL=DIR (e.g. moa=runs/qwen/moa), got {item!r}")
+            folders[label] = Path(folder)
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    _check_model_name(args.model, "--model")
+    from moaspec.models.store import weights_fingerprint
+    from moaspec.pipeline import SpecDecoder
+    from moaspec.serving.target_server import TargetServer, load_encoders, serve
+
+    dec = SpecDecoder(args.model, drafter="none", weights=args.weights, max_seq_len=args.max_context)
+    fp = weights_fingerprint(dec.folder)
+    encoders = load_encoders(dec.target, args.model, fp, folders)
+    server = TargetServer(dec.target, args.model, fp, token, encoders, limits, dec.pass_costs())
+    print(f"serving {args.model} ({args.weights}) on ws://{args.host}:{args.port} with "
+          f"{len(encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
+    serve(server, args.host, args.port)
+    return 0
 
 
 def _generate(dec, ids: list[int], cfg: GenerationConfig, out=None):
