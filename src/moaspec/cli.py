@@ -19,7 +19,8 @@ from pathlib import Path
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import ADAPTIVE_MAX_DEPTH, MAX_DEPTH, MAX_TOPK, MAX_TREE_TOKENS, TreeConfig
-from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, HYBRID_MODELS, HYBRID_POLICIES, resolve_auto
+from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, HYBRID_MODELS, resolve_auto
+from moaspec.drafters.hybrid import POLICIES as HYBRID_POLICIES
 from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
@@ -254,7 +255,12 @@ def _tree_config(args: argparse.Namespace) -> TreeConfig | str:
         if set(given) - {"depth"}:
             raise UserError("--adaptive drafts a chain: give at most --depth (its longest length)")
         return TreeConfig.parse(f"adaptive:{given.get('depth', ADAPTIVE_MAX_DEPTH)}")
-    return TreeConfig(**{**_TREE_DEFAULTS, **given}) if given else "auto"
+    if not given:
+        return "auto"
+    shape = {**_TREE_DEFAULTS, **given}
+    if "total_tokens" not in given:  # --depth alone: enough tokens to reach it
+        shape["total_tokens"] = max(shape["total_tokens"], shape["depth"])
+    return TreeConfig(**shape)
 
 
 def _check_model_name(name: str, flag: str) -> None:

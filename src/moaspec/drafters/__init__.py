@@ -14,9 +14,8 @@ if TYPE_CHECKING:
 
 DRAFTERS = ("auto", "none", "lookup", "suffix", "hybrid", "model", "moa", "eagle", "independent")
 TRAINED = ("moa", "eagle", "independent")  # drafters loaded from a checkpoint folder
-# `hybrid` = the suffix drafter + one of these (its --drafter-path / --draft-model), per `HYBRID_POLICIES`
+# `hybrid` = the suffix drafter + one of these (its --drafter-path / --draft-model), per `hybrid.POLICIES`
 HYBRID_MODELS = ("model", *TRAINED)
-HYBRID_POLICIES = ("switch", "merge")
 
 # The same-tokenizer draft model a target gets when `--draft-model` is not given. SmolLM2 drafts
 # for itself: useless for speed, but every draft is then accepted at T=0, a sharp engine test.

@@ -39,9 +39,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moaspec.decoding.tree import DraftDist, Tree, TreeConfig
-from moaspec.drafters import HYBRID_POLICIES
 from moaspec.drafters.base import Drafter
 from moaspec.errors import UserError
+
+POLICIES = ("switch", "merge")  # per round the suffix draft or the model's, or both in one tree
 
 FREE, MODEL = "free", "model"
 
@@ -183,8 +184,8 @@ class HybridDrafter:
     name = "hybrid"
 
     def __init__(self, free: Drafter, model: Drafter, policy: str = "switch"):
-        if policy not in HYBRID_POLICIES:
-            raise UserError(f"unknown hybrid policy {policy!r}; choose one of {', '.join(HYBRID_POLICIES)}")
+        if policy not in POLICIES:
+            raise UserError(f"unknown hybrid policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.free, self.model, self.policy = free, model, policy
         self.encoder = model.encoder  # the target encodes context for the model drafter only
         self.calibration = {FREE: _Calibration(), MODEL: _Calibration()}
