@@ -199,6 +199,7 @@ class SpecDecoder:
         cfg = cfg or GenerationConfig()
         ids = list(prompt) if _is_ids(prompt) else self.encode(prompt, chat=chat)
         tokens: list[int] = []
+        sent = 0  # tokens yielded so far
         shown = ""
         for chunk in self.engine.stream(ids, cfg):
             tokens.extend(chunk.tokens)
@@ -214,10 +215,24 @@ class SpecDecoder:
                 if text.endswith("\ufffd"):
                     hold = max(hold, 1)
             visible = text[: len(text) - hold]
-            yield visible[len(shown):], chunk.tokens, finish
-            shown = visible
+            # Token ids follow the text: held-back text holds back its tokens, and a stop string drops
+            # the tokens after the text it cuts. The ids kept are the fewest whose decoded text reaches
+            # the cut; a token that the cut falls inside (a stop string starting mid-token) is kept, so
+            # the ids decode to the text plus at most the rest of that one token.
+            keep = self._reaching(tokens, visible, sent) if hits or hold else len(tokens)
+            if finish is not None:
+                self.engine.metrics.new_tokens = keep
+            yield visible[len(shown):], tokens[sent:keep], finish
+            sent, shown = keep, visible
             if finish is not None:
                 return
+
+    def _reaching(self, tokens: list[int], text: str, lo: int) -> int:
+        """The fewest tokens (at least `lo`) whose decoded text starts with `text`."""
+        k = len(tokens)
+        while k > lo and self.tokenizer.decode(tokens[: k - 1], skip_special_tokens=True).startswith(text):
+            k -= 1
+        return k
 
     def generate(
         self,
