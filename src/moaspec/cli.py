@@ -1,4 +1,4 @@
-"""Command line: `moaspec generate | chat | serve-target | data | train | export | bench | models`.
+"""Command line: `moaspec generate | chat | serve | serve-target | data | train | export | bench | models`.
 
 Thin on purpose: it parses arguments, checks what it can before loading a model (so mistakes fail
 at once), and calls the package. Errors the user can fix (`moaspec.errors.UserError`, bad
@@ -44,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moaspec", description="Speculative decoding with a Mixture-of-Attentions drafter (CPU).")
     sub = p.add_subparsers(dest="command", required=True,
-                           metavar="{generate,chat,serve-target,data,train,export,bench,models}")
+                           metavar="{generate,chat,serve,serve-target,data,train,export,bench,models}")
 
     g = sub.add_parser("generate", help="generate a completion for one prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -64,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                        "/v1/models) over the target and drafter",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on; any but loopback needs an API key")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-token-file", metavar="PATH", help="file whose first line is the API key clients must send "
+                    "(Authorization: Bearer); default: the --token-file / $MOASPEC_TOKEN key, if any; with none "
+                    "the API is open and only listens on loopback")
+    sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
+    sv.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for, and "
+                    "the default for one that gives none")
+    sv.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("serve-target", help="serve the target model to remote drafters (client-server mode)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -374,6 +388,32 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     print(f"serving {args.model} ({args.weights}) on ws://{args.host}:{args.port} with "
           f"{len(encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
     serve(server, args.host, args.port)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from moaspec.serving.remote import TOKEN_ENV, read_token
+
+    tree = _tree_config(args)
+    _check_models(args)
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    # the API's key: its own file, else the key for --target (which API clients then also know)
+    if args.api_token_file:
+        key = read_token(args.api_token_file)
+    elif args.token_file or os.environ.get(TOKEN_ENV, "").strip():
+        key = read_token(args.token_file)
+    else:
+        key = None
+    from moaspec.serving.openai_api import ApiLimits, check_host, create_app, serve
+
+    check_host(args.host, key)
+    limits = ApiLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens)
+    dec = _load_decoder(args, tree)
+    app = create_app(dec, args.model, token=key, limits=limits, drafter=_drafter_name(args))
+    print(f"serving {_label(args)} as an OpenAI API on http://{args.host}:{args.port}/v1 "
+          f"({'key required' if key else 'open, loopback only'}); Ctrl-C stops", file=sys.stderr)
+    serve(app, args.host, args.port)
     return 0
 
 

@@ -1,0 +1,308 @@
+"""The OpenAI-compatible API (`moaspec serve`) on loopback: a real uvicorn server in this process (its own
+thread and event loop) over SmolLM2 with the lookup drafter, driven by the `openai` package and httpx.
+
+Greedy answers (plain and streamed, chat and completions) must equal the SpecDecoder's own output, text
+and token counts; errors have OpenAI's shape and status; a client that drops mid-stream stops its
+generation and leaves the server working.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from openai import OpenAI
+
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.errors import UserError
+from moaspec.serving.openai_api import ApiLimits, check_host, create_app
+
+SMOL = "smollm2-135m"
+KEY = "api-key-123"
+MESSAGES = [{"role": "system", "content": "You are concise."},
+            {"role": "user", "content": "Name three primary colors and say why they are called primary."}]
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+N = 24
+LIMITS = ApiLimits(max_prompt_tokens=256, max_tokens=64, max_body_bytes=1 << 16)
+
+
+class Running:
+    """A uvicorn server on a free loopback port, in a thread."""
+
+    def __init__(self, app):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.uv.started:
+                break
+            time.sleep(0.05)
+        assert self.uv.started, "the server did not start"
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(dec_lookup):
+    app = create_app(dec_lookup, SMOL, token=KEY, limits=LIMITS)
+    run = Running(app)
+    yield app.state.api, run
+    run.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return OpenAI(base_url=served[1].url, api_key=KEY, max_retries=0, timeout=60)
+
+
+def _post(served, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (bytes, str)):
+        return httpx.post(served[1].url + path, content=body, headers=headers, **{"timeout": 60, **kw})
+    return httpx.post(served[1].url + path, json=body, headers=headers, **{"timeout": 60, **kw})
+
+
+def _greedy(dec, prompt, n: int = N, stop: tuple[str, ...] = (), chat: bool = True):
+    return dec.generate(prompt, GenerationConfig(max_new_tokens=n, stop=stop), chat=chat)
+
+
+def _speculative(usage) -> dict:
+    return usage.model_extra["speculative"]
+
+
+# ------------------------------------------------------------------------------------ answers
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [SMOL]
+    assert client.models.retrieve(SMOL).id == SMOL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_chat_equals_the_decoders_greedy_output(client, dec_lookup):
+    g = _greedy(dec_lookup, MESSAGES)
+    r = client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=N, temperature=0)
+    assert r.object == "chat.completion" and r.model == SMOL and len(r.choices) == 1
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == g.text
+    assert r.choices[0].finish_reason == g.finish_reason
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (len(g.prompt_ids), len(g.token_ids))
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    spec = _speculative(u)
+    assert spec["drafter"] == "lookup"
+    assert spec["target_calls"] == g.metrics.target_calls and spec["tau"] == round(g.metrics.tau, 4)
+    assert spec["tokens_per_s"] > 0
+    # max_completion_tokens is max_tokens' newer name
+    r2 = client.chat.completions.create(model=SMOL, messages=MESSAGES, max_completion_tokens=N, temperature=0)
+    assert r2.choices[0].message.content == g.text
+
+
+def test_chat_stream_equals_the_decoders_greedy_output(client, dec_lookup):
+    g = _greedy(dec_lookup, MESSAGES)
+    chunks = list(client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=N, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == g.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == g.finish_reason and all(f is None for f in finishes[:-1])
+    assert len(chunks) > 4  # one event per round, not one at the end
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(g.prompt_ids), len(g.token_ids))
+    assert _speculative(usage)["target_calls"] == g.metrics.target_calls
+    # without include_usage: no usage chunk; the raw stream ends with [DONE]
+    with httpx.stream("POST", str(client.base_url.join("chat/completions")), timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": SMOL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0,
+                            "stream": True}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    bodies = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(b["choices"] and "usage" not in b for b in bodies)
+
+
+def test_completions_equal_the_decoders_greedy_output(client, dec_lookup):
+    g = _greedy(dec_lookup, PROMPT, chat=False)
+    r = client.completions.create(model=SMOL, prompt=PROMPT, max_tokens=N, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == g.text and r.choices[0].finish_reason == g.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(g.prompt_ids), len(g.token_ids))
+    by_ids = client.completions.create(model=SMOL, prompt=g.prompt_ids, max_tokens=N, temperature=0)
+    assert by_ids.choices[0].text == g.text
+    chunks = list(client.completions.create(model=SMOL, prompt=[PROMPT], max_tokens=N, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == g.text
+    assert chunks[-1].usage.completion_tokens == len(g.token_ids)
+
+
+def test_stop_strings_cut_text_and_tokens(client, dec_lookup):
+    full = _greedy(dec_lookup, PROMPT, chat=False)
+    words = full.text.split()
+    stop = next(w for w in words[len(words) // 2:] if len(w) >= 3)
+    g = _greedy(dec_lookup, PROMPT, stop=(stop,), chat=False)
+    assert g.finish_reason == "stop" and len(g.token_ids) < len(full.token_ids)
+    for given in (stop, ["<never>", stop]):
+        r = client.completions.create(model=SMOL, prompt=PROMPT, max_tokens=N, temperature=0, stop=given)
+        assert r.choices[0].text == g.text and r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens == len(g.token_ids) == g.metrics.new_tokens
+    chunks = list(client.completions.create(model=SMOL, prompt=PROMPT, max_tokens=N, temperature=0, stop=stop,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == g.text
+    assert chunks[-1].usage.completion_tokens == len(g.token_ids)
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=SMOL, prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.95)
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    assert client.completions.create(seed=7, **kw).choices[0].text == a
+
+
+def test_requests_run_one_at_a_time(served, client, dec_lookup):
+    g = _greedy(dec_lookup, MESSAGES, n=12)
+    out: list[str | None] = [None, None]
+
+    def ask(i: int) -> None:
+        out[i] = client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=12,
+                                                temperature=0).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == [g.text, g.text]
+
+
+# ------------------------------------------------------------------------------------ errors
+def _error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_bad_or_missing_key_is_401(served):
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=served[1].url, api_key="wrong", max_retries=0).models.list()
+    body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 2}
+    _error(_post(served, "/chat/completions", body, key=None), 401, code="invalid_api_key")
+    _error(_post(served, "/chat/completions", body, key="wrong"), 401, code="invalid_api_key")
+    assert httpx.get(served[1].url + "/models").status_code == 401
+
+
+def test_request_errors_are_openai_shaped_400s(served, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=4, n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
+    assert e.value.code == "model_not_found"
+    base = {"model": SMOL, "messages": MESSAGES}
+    err = _error(_post(served, "/chat/completions", b'{"model": "smollm2-135m", "messages": ['), 400,
+                 code="invalid_json")
+    assert err["type"] == "invalid_request_error"
+    _error(_post(served, "/chat/completions", b"[1, 2]"), 400)
+    _error(_post(served, "/chat/completions", b""), 400)
+    _error(_post(served, "/chat/completions", {**base, "max_tokens": -5}), 400, param="max_tokens")
+    _error(_post(served, "/chat/completions", {**base, "max_tokens": "5"}), 400, param="max_tokens")
+    _error(_post(served, "/chat/completions", {**base, "max_tokens": LIMITS.max_tokens + 1}), 400,
+           param="max_tokens")
+    _error(_post(served, "/chat/completions", {**base, "temperature": 3}), 400, param="temperature")
+    _error(_post(served, "/chat/completions", {**base, "stop": ["ok", ""]}), 400, param="stop")
+    _error(_post(served, "/chat/completions", {**base, "logprobs": True}), 400, param="logprobs")
+    _error(_post(served, "/chat/completions", {"model": SMOL, "messages": []}), 400, param="messages")
+    _error(_post(served, "/chat/completions", {"model": SMOL, "messages": [{"role": "wizard", "content": "hi"}]}),
+           400)
+    _error(_post(served, "/chat/completions", {"model": SMOL}), 400, param="messages")
+    _error(_post(served, "/completions", {"model": SMOL, "prompt": "  "}), 400)
+    _error(_post(served, "/completions", {"model": SMOL, "prompt": [10**9]}), 400, param="prompt")
+    _error(_post(served, "/completions", {"model": SMOL, "prompt": ["a", "b"]}), 400, param="prompt")
+    _error(httpx.get(served[1].url + "/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
+    assert served[0].stats.requests > 0
+
+
+def test_prompt_and_body_bounds(served):
+    long = {"model": SMOL, "messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 4}
+    _error(_post(served, "/chat/completions", long), 400, param="messages", code="context_length_exceeded")
+    _error(_post(served, "/completions", {"model": SMOL, "prompt": "word " * 400}), 400, param="prompt",
+           code="context_length_exceeded")
+    huge = {"model": SMOL, "messages": [{"role": "user", "content": "x" * (LIMITS.max_body_bytes + 1)}]}
+    _error(_post(served, "/chat/completions", huge), 413)
+
+
+def test_client_dropping_mid_stream_stops_the_generation(served, client, dec_lookup):
+    api = served[0]
+    before, tokens_before = api.stats.cancelled, api.stats.completion_tokens
+    body = {"model": SMOL, "messages": MESSAGES, "max_tokens": LIMITS.max_tokens, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", served[1].url + "/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        lines = resp.iter_lines()
+        got = [line for line, _ in zip(lines, range(6), strict=False) if line]
+        assert got and got[0].startswith("data: ")
+    for _ in range(100):  # the server notices between two rounds
+        if api.stats.cancelled > before:
+            break
+        time.sleep(0.05)
+    assert api.stats.cancelled == before + 1
+    assert api.stats.completion_tokens - tokens_before < LIMITS.max_tokens
+    # a client that gives up on a plain (not streamed) answer stops it too
+    with pytest.raises(httpx.ReadTimeout):
+        _post(served, "/chat/completions", {**body, "stream": False}, timeout=0.5)
+    for _ in range(100):
+        if api.stats.cancelled > before + 1:
+            break
+        time.sleep(0.05)
+    assert api.stats.cancelled == before + 2
+    # and the server (model, lock, drafter state) is fine afterwards
+    g = _greedy(dec_lookup, MESSAGES, n=12)
+    r = client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == g.text
+
+
+# ------------------------------------------------------------------------------------ open API and CLI
+def test_open_api_listens_on_loopback_only(dec_lookup):
+    for host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        check_host(host, None)
+    for host in ("0.0.0.0", "192.168.1.5", "example.com", "::"):
+        with pytest.raises(UserError, match="without a key"):
+            check_host(host, None)
+        check_host(host, "a-key")
+    run = Running(create_app(dec_lookup, SMOL))  # no key: requests need none
+    try:
+        assert [m.id for m in OpenAI(base_url=run.url, api_key="anything", max_retries=0).models.list().data] == [SMOL]
+    finally:
+        run.stop()
+
+
+def test_cli_serve_refuses_an_open_public_bind(capsys, monkeypatch, tmp_path):
+    from moaspec.cli import main
+
+    monkeypatch.delenv("MOASPEC_TOKEN", raising=False)
+    assert main(["serve", "--model", SMOL, "--drafter", "lookup", "--host", "0.0.0.0"]) == 2
+    assert "without a key" in capsys.readouterr().err
+    assert main(["serve", "--model", SMOL, "--api-token-file", str(tmp_path / "missing")]) == 2
+    assert "token file" in capsys.readouterr().err
+    assert main(["serve", "--model", SMOL, "--port", "0"]) == 2
+    assert "--port" in capsys.readouterr().err
+    assert main(["serve", "--help"]) == 0
+    assert "--api-token-file" in capsys.readouterr().out
