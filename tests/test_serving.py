@@ -8,9 +8,15 @@ malformed and oversized messages, limits, session isolation.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -227,3 +233,180 @@ def test_sessions_per_token_are_bounded_and_isolated(served, smol_tokenizer, dec
         assert r["bonus"] == local.start(prompt + [s["bonus"]], SamplingParams()).verdict.bonus
     for ws in (a, b, c):
         ws.close()
+
+
+# ----------------------------------------------------------------------------- disconnection
+def replay(chunks) -> tuple[list[int], list[bool], list]:
+    """What a client shows: tokens with their verified flags, corrections applied; and the chunks."""
+    toks: list[int] = []
+    flags: list[bool] = []
+    seen = []
+    for c in chunks:
+        seen.append(c)
+        if c.rollback:
+            assert not any(flags[-c.rollback:]), "only unverified tokens are ever rolled back"
+            del toks[-c.rollback:], flags[-c.rollback:]
+        toks += c.tokens
+        flags += [c.verified] * len(c.tokens)
+    return toks, flags, seen
+
+
+def _cut_after(chunks, n_verified: int, action):
+    """Pass chunks through; call `action` once `n_verified` verified tokens went by."""
+    count, fired = 0, False
+    for c in chunks:
+        if c.verified:
+            count += len(c.tokens)
+        yield c
+        if not fired and count >= n_verified:
+            fired = True
+            action()
+
+
+@pytest.mark.parametrize("drafter", ["moa", "eagle"])
+def test_link_down_the_drafter_writes_alone_then_the_target_corrects(served, dec_none, drafter):
+    """Greedy: after the outage the corrected text equals plain decoding exactly."""
+    server, run = served
+    cfg = GenerationConfig(max_new_tokens=64, reconnect_timeout_s=30)
+    want = dec_none.generate(PROMPT, cfg).token_ids
+    with ShapingProxy(("127.0.0.1", run.port)) as proxy:
+        client = SpecDecoder(SMOL, drafter=drafter, target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
+                             tree="adaptive:4", target_timeout_s=2)
+        ids = client.encode(PROMPT)
+        timer = threading.Timer(1.5, proxy.up)
+
+        def outage():
+            proxy.down("refuse")  # resets the live session and refuses new ones
+            timer.start()
+
+        toks, flags, chunks = replay(_cut_after(client.engine.stream(ids, cfg), 12, outage))
+        timer.join()
+        m = client.engine.metrics
+        assert any(not c.verified for c in chunks), "no token was written while the link was down"
+        assert any(c.rollback for c in chunks) and m.reconnects == 1
+        assert toks == want and all(flags)
+        assert m.unverified_tokens > 0 and m.new_tokens == len(want)
+        client.remote.shutdown()
+
+
+def test_server_gone_for_good_ends_with_unverified_tokens(served):
+    server, run = served
+    cfg = GenerationConfig(max_new_tokens=40, reconnect_timeout_s=0.5)
+    with ShapingProxy(("127.0.0.1", run.port)) as proxy:
+        client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
+                             tree="adaptive:4", target_timeout_s=2)
+        toks, flags, chunks = replay(_cut_after(client.engine.stream(client.encode(PROMPT), cfg), 8,
+                                                lambda: proxy.down("blackhole")))
+        assert chunks[-1].finish_reason in ("length", "stop") and not chunks[-1].verified
+        assert flags[0] and not flags[-1] and len(toks) <= 40
+        n_unverified = flags.count(False)
+        assert n_unverified == client.engine.metrics.unverified_tokens > 0
+        client.remote.shutdown()
+
+
+def test_keep_policy_keeps_the_drafted_text(served):
+    server, run = served
+    cfg = GenerationConfig(max_new_tokens=48, resync="keep")
+    with ShapingProxy(("127.0.0.1", run.port)) as proxy:
+        client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
+                             tree="adaptive:4", target_timeout_s=2)
+        timer = threading.Timer(0.5, proxy.up)
+
+        def outage():
+            proxy.down("refuse")
+            timer.start()
+
+        toks, flags, chunks = replay(_cut_after(client.engine.stream(client.encode(PROMPT), cfg), 8, outage))
+        timer.join()
+        m = client.engine.metrics
+        assert not any(c.rollback for c in chunks) and m.reconnects == 1
+        # the kept tokens stay marked, in one run; what follows (if the drafter left room) is the target's
+        first = flags.index(False)
+        n = flags.count(False)
+        assert flags[first:first + n] == [False] * n and all(flags[first + n:])
+        assert m.new_tokens == len(toks) == 48 or chunks[-1].finish_reason == "stop"
+        client.remote.shutdown()
+
+
+def _free_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def _serve_process(port: int, token_file) -> subprocess.Popen:
+    """`moaspec serve-target` as its own process; returns once it answers /health."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "moaspec", "serve-target", "--model", SMOL, "--port", str(port),
+                             "--token-file", str(token_file)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve-target exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if json.loads(r.read())["status"] == "ok":
+                    return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("serve-target did not come up in 120 s")
+
+
+def test_server_killed_mid_generation_then_restarted(tmp_path, dec_none):
+    """Real processes: the server is killed (SIGKILL) mid-generation; the client goes on alone with MoA,
+    marks those tokens unverified, reconnects when a new server process is up, re-verifies and
+    corrects: the final text equals plain greedy decoding."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    port = _free_port()
+    cfg = GenerationConfig(max_new_tokens=64, reconnect_timeout_s=180)
+    want = dec_none.generate(PROMPT, cfg).token_ids
+    procs = [_serve_process(port, token_file)]
+    try:
+        client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{port}", token=TOKEN,
+                             tree="adaptive:4", target_timeout_s=5)
+        restart = threading.Thread(target=lambda: procs.append(_serve_process(port, token_file)))
+
+        def kill():
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait()
+            restart.start()
+
+        toks, flags, chunks = replay(_cut_after(client.engine.stream(client.encode(PROMPT), cfg), 10, kill))
+        restart.join()
+        m = client.engine.metrics
+        assert m.unverified_tokens > 0 and m.reconnects == 1 and any(c.rollback for c in chunks)
+        assert toks == want and all(flags)
+        client.remote.shutdown()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_generate_text_stays_verified_across_an_outage(served, dec_none):
+    """`SpecDecoder.generate`/`stream` show only verified text: the outage is invisible in the result."""
+    server, run = served
+    cfg = GenerationConfig(max_new_tokens=48)
+    want = dec_none.generate(PROMPT, cfg)
+    with ShapingProxy(("127.0.0.1", run.port)) as proxy:
+        client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
+                             tree="adaptive:4", target_timeout_s=2)
+        timer = threading.Timer(1.0, proxy.up)
+        seen: list[str] = []
+
+        def on_text(delta: str) -> None:
+            seen.append(delta)
+            if len(seen) == 3:
+                proxy.down("refuse")
+                timer.start()
+
+        got = client.generate(PROMPT, cfg, on_text=on_text)
+        timer.join()
+        assert got.text == want.text and got.token_ids == want.token_ids and "".join(seen) == want.text
+        assert got.metrics.reconnects == 1 and got.metrics.unverified_tokens > 0
+        client.remote.shutdown()

@@ -85,10 +85,12 @@ class SpecDecoder:
         target_url: str | None = None,
         token: str | None = None,
         wire: str = "fp16",
+        target_timeout_s: float = 30.0,
     ):
         """`target_url` (with the server's bearer `token`): verify on a `moaspec serve-target` server and
         keep only the drafter and the target parts it shares (embedding, LM head) here; `wire` is the
-        dtype of the drafter context sent back (fp16, fp32, int8)."""
+        dtype of the drafter context sent back (fp16, fp32, int8); a call unanswered for `target_timeout_s`
+        counts as a disconnection."""
         t = time.perf_counter()
         self.model_name = model
         self.folder = resolve(model)
@@ -101,7 +103,7 @@ class SpecDecoder:
             from moaspec.serving.remote import RemoteTarget, read_token
 
             self.target = PartialTarget(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
-            self.remote = RemoteTarget(target_url, token or read_token(), wire=wire)
+            self.remote = RemoteTarget(target_url, token or read_token(), wire=wire, timeout_s=target_timeout_s)
             if self.remote.model != model or self.remote.fingerprint != weights_fingerprint(self.folder):
                 raise UserError(f"the server at {target_url} serves {self.remote.model!r} (weights "
                                 f"{self.remote.fingerprint}), not this client's {model!r}: draft for the same target")
@@ -195,14 +197,26 @@ class SpecDecoder:
     def stream(
         self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None = None, chat: bool = True
     ) -> Iterator[tuple[str, list[int], str | None]]:
-        """Yield (text delta, token ids, finish_reason) per verification round."""
+        """Yield (text delta, token ids, finish_reason) per verification round.
+
+        Only text the target verified is yielded: while a remote target is away, the tokens the drafter
+        writes alone wait here (`Engine.stream` shows them, marked) until the target confirms or corrects
+        them, or keeps them (`resync="keep"`), or the generation ends without it."""
         cfg = cfg or GenerationConfig()
         ids = list(prompt) if _is_ids(prompt) else self.encode(prompt, chat=chat)
         tokens: list[int] = []
+        unverified: list[int] = []
         sent = 0  # tokens yielded so far
         shown = ""
         for chunk in self.engine.stream(ids, cfg):
-            tokens.extend(chunk.tokens)
+            if chunk.rollback:
+                del unverified[len(unverified) - chunk.rollback:]
+            if not chunk.verified:
+                unverified += chunk.tokens
+                if chunk.finish_reason is None:
+                    continue
+            tokens += unverified + (chunk.tokens if chunk.verified else [])
+            unverified = []
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             finish = chunk.finish_reason
             hits = [h for s in cfg.stop if (h := text.find(s, max(0, len(shown) - len(s) + 1))) >= 0]

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.target import TargetSide
+from moaspec.decoding.target import TargetSide, TargetUnavailable
 from moaspec.decoding.tree import AdaptiveChain, DraftSampling, Tree, TreeConfig
 from moaspec.drafters.base import Drafter
 from moaspec.errors import ContextLengthError, UserError
 
 DRAFT_STREAM = 1  # SamplingParams.generator stream of the drafts' seeds
+RESYNC_POLICIES = ("correct", "keep")
+RESYNC_CHAIN = 16  # unverified tokens re-verified per target call after a reconnection
 
 
 @dataclass
@@ -31,10 +33,20 @@ class GenerationConfig:
     # At T > 0, sample draft children from the drafter's distribution (accepted up to 1 - TV(p, q) per
     # draft) rather than take its top-k (accepted with p(x)); both are exact. No effect at T = 0.
     sampled_drafts: bool = True
+    # A remote target that stops answering: keep writing with the drafter alone (tokens marked
+    # unverified) while it reconnects in the background, then re-verify them in a new session and
+    # "correct" them where the target disagrees, or "keep" them as context. False: raise.
+    offline: bool = True
+    resync: str = "correct"
+    reconnect_timeout_s: float = 30.0  # how long to wait for the target once nothing more can be drafted
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+        if self.resync not in RESYNC_POLICIES:
+            raise UserError(f"resync must be one of {', '.join(RESYNC_POLICIES)}, got {self.resync!r}")
+        if not self.reconnect_timeout_s >= 0:
+            raise UserError(f"reconnect_timeout_s must be >= 0, got {self.reconnect_timeout_s}")
 
 
 @dataclass
@@ -46,6 +58,9 @@ class Metrics:
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    unverified_tokens: int = 0  # written by the drafter alone while the target was away
+    corrected_tokens: int = 0  # of those, dropped on re-verification (the target disagreed)
+    reconnects: int = 0
 
     @property
     def target_calls(self) -> int:
@@ -75,6 +90,8 @@ class Metrics:
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "total_s": round(self.total_s, 4),
+            **({"unverified_tokens": self.unverified_tokens, "corrected_tokens": self.corrected_tokens,
+                "reconnects": self.reconnects} if self.reconnects or self.unverified_tokens else {}),
         }
 
 
@@ -82,6 +99,8 @@ class Metrics:
 class Chunk:
     tokens: list[int]  # token ids emitted by this round (after stop handling)
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
+    verified: bool = True  # False: written by the drafter alone while the target was away
+    rollback: int = 0  # drop this many earlier unverified tokens before appending `tokens` (a correction)
 
 
 class Engine:
@@ -122,8 +141,11 @@ class Engine:
         if self.adapt is not None:
             self.adapt.reset()
         drafts = cfg.sampling.generator(DRAFT_STREAM) if cfg.sampled_drafts and not cfg.sampling.greedy else None
+        self._drafts, self._t0 = drafts, t0
         new = step.verdict.new_tokens
         root = new[-1]
+        out: list[int] = []  # verified new tokens so far
+        rollback = 0
         while True:
             room = cfg.max_new_tokens - m.new_tokens
             cut = next((i for i, t in enumerate(new) if t in eos), None)
@@ -131,18 +153,28 @@ class Engine:
                 n = min(room, len(new) if cut is None else cut)
                 m.new_tokens += n
                 m.total_s = time.perf_counter() - t0
-                yield Chunk(new[:n], "stop" if cut is not None and cut < room else "length")
+                yield Chunk(new[:n], "stop" if cut is not None and cut < room else "length", rollback=rollback)
                 return
             m.new_tokens += len(new)
             m.total_s = time.perf_counter() - t0
-            yield Chunk(new)
+            out += new
+            yield Chunk(new, rollback=rollback)
+            rollback = 0
 
             t1 = time.perf_counter()
-            sampling = None if drafts is None else \
-                DraftSampling(cfg.sampling, int(torch.randint(2**62, (), generator=drafts)))
-            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens, length, sampling)
+            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens, length, self._draft_sampling(cfg))
             t2 = time.perf_counter()
-            step = self.target.verify(tree)
+            try:
+                step = self.target.verify(tree)
+            except TargetUnavailable:
+                if not cfg.offline:
+                    raise
+                resumed = yield from self._offline(prompt, out, root, cfg, eos)
+                if resumed is None:
+                    return
+                new, length, rollback = resumed
+                root = new[-1]
+                continue
             t3 = time.perf_counter()
             v, length = step.verdict, step.length
             if self.drafter is not None:
@@ -155,6 +187,85 @@ class Engine:
             m.accept_lengths.append(len(v.accepted) + 1)
             new = v.new_tokens
             root = v.bonus
+
+    def _draft_sampling(self, cfg: GenerationConfig) -> DraftSampling | None:
+        if self._drafts is None:
+            return None
+        return DraftSampling(cfg.sampling, int(torch.randint(2**62, (), generator=self._drafts)))
+
+    # ------------------------------------------------------------------ a target that went away
+    def _offline(self, prompt: list[int], out: list[int], root: int, cfg: GenerationConfig,
+                 eos: tuple[int, ...]) -> Iterator[Chunk]:
+        """The target stopped answering after `out` (its last token `root` verified but not yet in the
+        target's cache). Draft alone, one token at a time, marked unverified, while the target reconnects
+        in the background; once it is back, re-verify (`_resync`). Returns what the main loop goes on
+        with, (new tokens, cache length, rollback), or None if the generation ended unverified."""
+        m = self.metrics
+        unverified: list[int] = []
+        alone = self.drafter is not None
+        ended = False
+        while True:
+            self.target.reconnect_in_background()
+            waited_from = None
+            while not self.target.available():
+                room = cfg.max_new_tokens - len(out) - len(unverified)
+                if alone and not ended and room > 0:
+                    sampling = self._draft_sampling(cfg)
+                    shape = TreeConfig(1, 1, 1)
+                    tree = self.drafter.propose(root, shape if sampling is None else shape.sampled(sampling))
+                    if len(tree) > 1:
+                        self.drafter.observe([root], None)
+                        root = tree.tokens[1]
+                        if root in eos:  # the end, as the drafter sees it: the target will say
+                            ended = True
+                            continue
+                        unverified.append(root)
+                        m.unverified_tokens += 1
+                        m.total_s = time.perf_counter() - self._t0
+                        yield Chunk([root], verified=False)
+                        continue
+                    alone = False  # a drafter that needs the target's state (or found nothing): wait
+                waited_from = waited_from or time.perf_counter()
+                if time.perf_counter() - waited_from > cfg.reconnect_timeout_s:
+                    if not unverified:
+                        raise TargetUnavailable(f"the target server did not come back within "
+                                                f"{cfg.reconnect_timeout_s:.0f} s and the drafter cannot write alone")
+                    m.total_s = time.perf_counter() - self._t0
+                    yield Chunk([], "stop" if ended else "length", verified=False)
+                    return None
+                time.sleep(0.02)
+            try:
+                return self._resync(prompt, out, unverified, cfg)
+            except TargetUnavailable:
+                alone = False  # the drafter's state went with the failed session: wait for the next one
+
+    def _resync(self, prompt: list[int], out: list[int], unverified: list[int],
+                cfg: GenerationConfig) -> tuple[list[int], int, int]:
+        """A new session from the verified text; then each unverified token is verified as a draft (chains
+        of RESYNC_CHAIN), which keeps the output exact: the first one the target rejects, and all after
+        it, are replaced by the target's own token ("correct"); or the unverified tokens are kept as
+        context ("keep")."""
+        m = self.metrics
+        m.reconnects += 1
+        base = prompt + out
+        keep = cfg.resync == "keep"
+        step = self.target.start(base + unverified if keep else base, cfg.sampling)
+        if self.drafter is not None:
+            self.drafter.begin(base + unverified if keep else base, step.context)
+        if keep:
+            out += unverified
+            m.new_tokens += len(unverified)
+            return step.verdict.new_tokens, step.length, 0
+        bonus, i = step.verdict.bonus, 0
+        while i < len(unverified) and bonus == unverified[i]:
+            tree = Tree.chain(unverified[i], unverified[i + 1:i + RESYNC_CHAIN])
+            step = self.target.verify(tree)
+            if self.drafter is not None:
+                self.drafter.observe([unverified[i], *step.verdict.accepted], step.context)
+            i += 1 + len(step.verdict.accepted)
+            bonus = step.verdict.bonus
+        m.corrected_tokens += len(unverified) - i
+        return unverified[:i] + [bonus], step.length, len(unverified)
 
     def _propose(self, root: int, remaining: int, length: int, sampling: DraftSampling | None) -> Tree:
         # A draft deeper than the tokens still wanted, or than the cache holds (`length` committed), is

@@ -22,6 +22,10 @@ from moaspec.errors import ContextLengthError, UserError
 from moaspec.models.runtime import ForwardOut, KVCache, Transformer
 
 
+class TargetUnavailable(UserError):
+    """The target cannot be reached, or stopped answering (a remote target's network or server)."""
+
+
 class ContextEncoder(Protocol):
     """Target-side part of a drafter (MoA's Layer Self-Attention + projection): turns the target's
     state for newly committed cache slots into the per-token context the drafter consumes."""
@@ -51,6 +55,14 @@ class TargetSide(Protocol):
         """ms of one target pass per row count (what a k-row tree costs the target itself)."""
         ...
 
+    def reconnect_in_background(self) -> None:
+        """After a TargetUnavailable: start getting a new session ready, without blocking."""
+        ...
+
+    def available(self) -> bool:
+        """Whether calls can go through (a remote target: a session is open or has been reopened)."""
+        ...
+
 
 class LocalTarget:
     """A target in this process: prefill, score a tree in one pass, verify, commit the path. It works
@@ -75,6 +87,12 @@ class LocalTarget:
         if self.costs is None:
             self.costs = self.model.pass_costs()
         return self.costs
+
+    def reconnect_in_background(self) -> None:  # in this process it never goes away
+        pass
+
+    def available(self) -> bool:
+        return True
 
     def _context(self, first_slot: int, out: ForwardOut, rows: list[int] | slice) -> Context | None:
         if self.encoder is None:

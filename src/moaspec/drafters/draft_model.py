@@ -33,6 +33,7 @@ class DraftModelDrafter:
 
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
         m = self.model
+        m.truncate(min(m.length, len(self.context)))  # the same root again: its verification never came back
         pending = self.context[m.length:]
         if m.length + len(pending) + 1 + cfg.depth * cfg.topk > m.max_seq_len:
             return Tree.chain(root)

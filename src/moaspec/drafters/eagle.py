@@ -219,18 +219,28 @@ class EagleDrafter(TargetBoundDrafter):
     @torch.no_grad()
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
         P = len(self.tokens)  # the root's position; the target has committed slots 0..P-1
-        if self.n_features != P:
+        if self.n_features > P:
             raise RuntimeError(f"EAGLE drafter out of step: {P} committed tokens but {self.n_features} features")
         if P + cfg.depth * cfg.topk > self.max_seq_len:
             return Tree.chain(root)
         dev = self.cos.device
         # Pending rows j = rows..P-1: (f_j, x_{j+1}), the last one (f_{P-1}, root) at slot P-1. They stay
-        # cached: the root is committed by the verification that follows.
-        start = self.rows
-        n = P - start
-        ids = torch.tensor([*self.tokens[start + 1:P], root], device=dev)
-        pos = torch.arange(start, P, device=dev)
-        out = self._rows(self.features[start:P][None], ids[None], pos, pending_mask(start, n, dev), self.cache, start)
+        # cached: the root is committed by the verification that follows. While the target is away the
+        # newest slots have no target feature: EAGLE's own prediction stands in for each, as inside a
+        # tree, which takes one row at a time.
+        start, ext = min(self.rows, P - 1), [*self.tokens, root]  # P - 1: the same root again
+        while True:
+            if self.n_features <= start:
+                self.features[start] = self._pred
+                self.n_features = start + 1
+            end = min(P, self.n_features)
+            ids = torch.tensor(ext[start + 1:end + 1], device=dev)
+            pos = torch.arange(start, end, device=dev)
+            out = self._rows(self.features[start:end][None], ids[None], pos, pending_mask(start, end - start, dev),
+                             self.cache, start)
+            self._pred, start = out[0, -1], end
+            if end == P:
+                break
         self.rows = P
         pred_of = {0: out[0, -1]}  # tree node -> its row's predicted feature (input of its children's rows)
         slot_of = {0: P - 1}  # drafted rows get tentative slots P, P+1, ... (overwritten next round)

@@ -433,15 +433,17 @@ class MoADrafter(TargetBoundDrafter):
     @torch.no_grad()
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
         P = len(self.tokens)  # the root's position; the target has verified slots 0..P-1
-        if self.ctx_len != P:
+        if self.ctx_len > P:
             raise RuntimeError(f"MoA drafter out of step: {P} committed tokens but {self.ctx_len} context vectors")
+        # ctx_len < P only while the target is away: the tokens written since have no context vector, and
+        # CA reads the verified ones (as in training, where a row reads contexts up to its last verified slot)
         if P + 1 + cfg.depth * cfg.topk > self.max_seq_len:
             return Tree.chain(root)
         dev = self.sa_cos.device
         sa, ca = self.sa.kernels(), self.ca.kernels()  # the inference kernels, checked once per round
         # SA over the tokens accepted since the last round + the root, in one causal pass (root committed:
         # it will be in the target's cache after verification). Only the root row goes on.
-        start = self.sa_len
+        start = min(self.sa_len, P)  # P: the same root again (its verification never came back)
         pending = [*self.tokens[start:], root]
         x = self.sa.infer(self._embed_rows(pending), self.sa_cos[start:P + 1],
                           self.sa_sin_signed[start:P + 1], pending_mask(start, len(pending), dev), self.sa_cache,

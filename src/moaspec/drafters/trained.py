@@ -248,8 +248,10 @@ class TargetBoundDrafter(nn.Module):
 
     @torch.no_grad()
     def observe(self, tokens: list[int], context: Any = None) -> None:
+        """`context` None: tokens written while the target was away (no target state for them)."""
         self.tokens.extend(tokens)
-        self._add_context(context)
+        if context is not None:
+            self._add_context(context)
 
 
 # ============================================================================= checkpoints

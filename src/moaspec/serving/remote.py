@@ -2,13 +2,14 @@
 
 The engine runs unchanged against it: `start` and `verify` become one frame each way, the drafter's
 context arrives as safetensors bytes and is decoded here. It counts calls and bytes each way.
-A connection that fails or times out raises `TargetUnavailable`, which the disconnection logic
-turns into drafter-only generation.
+A connection that fails or times out raises `decoding.target.TargetUnavailable`, which the engine
+turns into drafter-only generation while `reconnect_in_background` opens a new session.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,17 +19,13 @@ from websockets.sync.client import ClientConnection, connect
 
 from moaspec.decoding.context import decode as decode_context
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.target import Step
+from moaspec.decoding.target import Step, TargetUnavailable
 from moaspec.decoding.tree import Tree
 from moaspec.decoding.verify import Verdict
 from moaspec.errors import UserError
 from moaspec.serving.protocol import ENDPOINT, pack, sampling_to_wire, tree_to_wire, unpack
 
 TOKEN_ENV = "MOASPEC_TOKEN"
-
-
-class TargetUnavailable(UserError):
-    """The target server cannot be reached, or stopped answering."""
 
 
 def read_token(token_file: str | None = None) -> str:
@@ -70,16 +67,24 @@ class RemoteTarget:
         self.calls = 0
         self.bytes_out = 0
         self.bytes_in = 0
+        self.reconnects = 0
+        self._retry: threading.Thread | None = None
+        self._fresh: tuple[ClientConnection, dict[str, Any]] | None = None
+        self._stopping = threading.Event()
         self.connect()
 
     # ---------------------------------------------------------------- connection
     def connect(self) -> None:
         """Open a session; checks the server's target and that it offers this drafter's encoder."""
         self.close()
+        self.ws, header = self._open()
+        self._ready(header)
+
+    def _open(self) -> tuple[ClientConnection, dict[str, Any]]:
         try:
             opening = connect(self.url, additional_headers={"Authorization": f"Bearer {self.token}"},
                               open_timeout=self.connect_timeout_s, max_size=64 << 20, compression=None)
-            self.ws = opening.__enter__()  # a connection that outlives this call; `close` ends it
+            ws = opening.__enter__()  # a connection that outlives this call; `close` ends it
         except InvalidStatus as e:
             code = e.response.status_code
             if code in (401, 403):
@@ -87,13 +92,51 @@ class RemoteTarget:
             raise TargetUnavailable(f"the target server at {self.url} answered HTTP {code}") from None
         except (OSError, TimeoutError, InvalidHandshake) as e:
             raise TargetUnavailable(f"cannot reach the target server at {self.url}: {e}") from None
-        header, _ = self._recv()
+        try:
+            frame = ws.recv(timeout=self.connect_timeout_s)
+        except (TimeoutError, ConnectionClosed, OSError) as e:
+            ws.close()
+            raise TargetUnavailable(f"the target server at {self.url} did not open a session: {e}") from None
+        self.bytes_in += len(frame)
+        header, _ = unpack(frame)
         if header.get("type") != "ready":
-            raise UserError(f"{self.url} did not open a target session (got {header.get('type')!r})")
+            ws.close()
+            raise UserError(f"{self.url} did not open a target session (got {header.get('type')!r}: "
+                            f"{header.get('message', '')})")
+        return ws, header
+
+    def _ready(self, header: dict[str, Any]) -> None:
         self.info = header
         self.check_encoder()
         self.eos_token_ids = tuple(header["eos"])
         self.max_seq_len = int(header["max_seq_len"])
+
+    def reconnect_in_background(self, retry_s: float = 0.25) -> None:
+        """Drop the broken session and keep trying to open a new one in a thread (`available` picks it up)."""
+        self.close()
+        if self._retry is not None and self._retry.is_alive():
+            return
+        self._fresh = None
+
+        def retry() -> None:
+            while not self._stopping.is_set():
+                try:
+                    self._fresh = self._open()
+                    return
+                except UserError:  # TargetUnavailable, or a server that answers oddly while it starts
+                    self._stopping.wait(retry_s)
+
+        self._retry = threading.Thread(target=retry, name="moaspec-reconnect", daemon=True)
+        self._retry.start()
+
+    def available(self) -> bool:
+        if self.ws is None and self._fresh is not None:
+            ws, header = self._fresh
+            self._fresh = None
+            self.ws = ws
+            self._ready(header)
+            self.reconnects += 1
+        return self.ws is not None
 
     def check_encoder(self) -> None:
         """UserError unless the server offers the encoder of this client's drafter."""
@@ -115,7 +158,15 @@ class RemoteTarget:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Close the session and stop any reconnection attempts."""
+        self._stopping.set()
         self.close()
+        if self._fresh is not None:
+            self._fresh[0].close()
+            self._fresh = None
 
     @property
     def model(self) -> str:
@@ -135,15 +186,20 @@ class RemoteTarget:
         try:
             self.ws.send(frame)
         except (ConnectionClosed, OSError) as e:
+            self.close()
             raise TargetUnavailable(f"the target server connection broke: {e}") from None
         self.bytes_out += len(frame)
 
     def _recv(self) -> tuple[dict[str, Any], bytes]:
+        if self.ws is None:
+            raise TargetUnavailable("not connected to the target server")
         try:
             frame = self.ws.recv(timeout=self.timeout_s)
         except TimeoutError:
-            raise TargetUnavailable(f"the target server did not answer within {self.timeout_s:.0f} s") from None
+            self.close()
+            raise TargetUnavailable(f"the target server did not answer within {self.timeout_s:.1f} s") from None
         except (ConnectionClosed, OSError) as e:
+            self.close()
             raise TargetUnavailable(f"the target server connection broke: {e}") from None
         self.bytes_in += len(frame)
         header, body = unpack(frame)
@@ -164,7 +220,7 @@ class RemoteTarget:
         return Step(verdict, context, int(header["length"]), float(header["target_ms"]))
 
     def start(self, prompt: list[int], params: SamplingParams) -> Step:
-        if self.ws is None:
+        if not self.available():
             self.connect()
         return self._step(pack({"type": "start", "prompt": list(prompt), "sampling": sampling_to_wire(params),
                                 "encoder": self.encoder, "wire": self.wire}))

@@ -1,0 +1,305 @@
+"""Client-server mode over real sockets under network profiles (PAPER.md section 6).
+
+    python -m moaspec.bench.network --model qwen2.5-coder-0.5b --out bench-out/network
+
+The target runs in its own `moaspec serve-target` process (and, for the API baseline, a `moaspec serve`
+process); the client (this process) reaches both through the shaping proxy (`serving.shaping`), whose
+profile changes between runs. For each profile and method it measures latency per generated token
+(from sending the prompt to the last token, so the prefill and every round trip count), server calls
+per token and bytes per token each way (as the proxy counted them on the wire).
+
+Methods: the client-server drafters (MoA, EAGLE-2, the independent drafter, prompt lookup, each with
+the adaptive chain that prices the round trip); `remote-plain`, one call per token; `api-stream`, the
+server writes the whole answer in one streamed OpenAI-style request (the usual API). `--tree-sweep` adds
+MoA with fixed chains, to show what the adaptive chain gains on each link.
+
+`--quality` measures the drafter alone after a cut: from token k of the target's own answer, each
+drafter writes 128 tokens without the target; reported: the tokens it gets right before the first
+divergence, its positional agreement with the target over 32/64/128 tokens, and the target's
+perplexity of its text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from moaspec.bench.tasks import load_tasks
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.target import LocalTarget
+from moaspec.decoding.tree import TreeConfig
+from moaspec.errors import UserError
+from moaspec.serving.shaping import PROFILES, ShapingProxy
+
+DEFAULT_PROFILES = ("lan", "wifi", "5g", "4g", "satellite")
+CS_METHODS = ("moa", "eagle", "independent", "lookup")
+METHODS = (*CS_METHODS, "remote-plain", "api-stream")
+SWEEP = ("chain:1", "chain:2", "chain:4", "chain:8", "adaptive:16")
+HORIZONS = (32, 64, 128)
+TOKEN = "moaspec-bench-network"
+
+
+@dataclass
+class Row:
+    profile: str
+    method: str
+    tree: str
+    tokens: int
+    seconds: float
+    calls: int
+    bytes_up: int
+    bytes_down: int
+    tau: float
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1e3 * self.seconds / max(1, self.tokens)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
+    """A `moaspec` server process; returns once its /health (target) or /v1/models (API) answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "moaspec", *args, "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise UserError(f"`moaspec {args[0]}` exited: {proc.stderr.read().decode()[-1500:]}")
+        for path in ("/health", "/v1/models"):
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                             headers={"Authorization": f"Bearer {TOKEN}"})
+                with urllib.request.urlopen(req, timeout=2):
+                    return proc
+            except OSError:
+                pass
+        time.sleep(0.5)
+    proc.kill()
+    raise UserError(f"`moaspec {args[0]}` did not come up in 300 s")
+
+
+def _tree(spec: str) -> str | TreeConfig:
+    if spec.startswith("chain:"):
+        d = int(spec.split(":")[1])
+        return TreeConfig(d, 1, d)
+    return spec
+
+
+def _client(model: str, method: str, url: str, tree: str, weights: str):
+    from moaspec.pipeline import SpecDecoder
+
+    drafter = "none" if method == "remote-plain" else method
+    return SpecDecoder(model, drafter=drafter, target_url=url, token=TOKEN, weights=weights, warmup=False,
+                       tree=_tree(tree) if drafter != "none" else None, target_timeout_s=60)
+
+
+def _api_stream(port: int, model: str, messages: list[dict], max_tokens: int) -> tuple[int, float]:
+    """One streamed chat completion; (completion tokens, seconds to the last byte)."""
+    import httpx
+
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t = time.perf_counter()
+    tokens = 0
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    tokens = usage["completion_tokens"]
+    return tokens, time.perf_counter() - t
+
+
+def run_network(model: str, profiles: list[str], methods: list[str], prompts: list[list[dict]],
+                max_new_tokens: int, weights: str, sweep: bool, out: Path) -> list[Row]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOASPEC_TOKEN": TOKEN}
+    torch.set_num_threads(1)
+    procs: list[subprocess.Popen] = []
+    rows: list[Row] = []
+    try:
+        tport = _free_port()
+        procs.append(_launch(["serve-target", "--model", model, "--weights", weights], tport, env))
+        aport = None
+        if "api-stream" in methods:
+            aport = _free_port()
+            procs.append(_launch(["serve", "--model", model, "--weights", weights, "--drafter", "none"],
+                                 aport, env))
+        with ShapingProxy(("127.0.0.1", tport)) as tproxy, \
+                ShapingProxy(("127.0.0.1", aport or tport)) as aproxy:
+            url = f"ws://127.0.0.1:{tproxy.port}"
+            runs = [(m, "adaptive:16") for m in methods]
+            if sweep:
+                runs += [("moa", t) for t in SWEEP if t != "adaptive:16"]
+            clients = {(m, t): _client(model, m, url, t, weights) for m, t in runs if m != "api-stream"}
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, offline=False)
+            for profile in profiles:
+                tproxy.set_profile(profile)
+                aproxy.set_profile(profile)
+                for method, tree in runs:
+                    proxy = aproxy if method == "api-stream" else tproxy
+                    tokens = calls = 0
+                    seconds = tau_sum = 0.0
+                    proxy.traffic(reset=True)
+                    for messages in prompts:
+                        if method == "api-stream":
+                            n, s = _api_stream(aproxy.port, model, messages, max_new_tokens)
+                            tokens, seconds, calls = tokens + n, seconds + s, calls + 1
+                            continue
+                        dec = clients[(method, tree)]
+                        before = dec.remote.calls
+                        t = time.perf_counter()
+                        gen = dec.generate(messages, cfg)
+                        seconds += time.perf_counter() - t
+                        tokens += len(gen.token_ids)
+                        calls += dec.remote.calls - before
+                        tau_sum += gen.metrics.tau * len(gen.token_ids)
+                    traffic = proxy.traffic()
+                    row = Row(profile, method, tree if method != "api-stream" else "-", tokens, seconds, calls,
+                              traffic.to_server, traffic.to_client, tau_sum / max(1, tokens))
+                    rows.append(row)
+                    print(f"{profile:10s} {method:13s} {row.tree:12s} {row.ms_per_token:8.1f} ms/token "
+                          f"{calls / max(1, tokens):5.2f} calls/token {row.bytes_up / max(1, tokens):8.0f} B up "
+                          f"{row.bytes_down / max(1, tokens):8.0f} B down /token", flush=True)
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / "network.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+            for dec in clients.values():
+                dec.remote.shutdown()
+    finally:
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return rows
+
+
+# ----------------------------------------------------------------------------- drafter alone after a cut
+@torch.no_grad()
+def offline_quality(model: str, drafters: list[str], prompts: list[list[dict]], cut: int, weights: str,
+                    horizon: int = max(HORIZONS)) -> dict[str, dict[str, float]]:
+    """Each drafter writes `horizon` tokens alone from token `cut` of the target's greedy answer."""
+    from moaspec.pipeline import SpecDecoder
+
+    dec = SpecDecoder(model, drafter="none", weights=weights)
+    target = dec.target
+    results: dict[str, dict[str, list[float]]] = {d: {} for d in drafters}
+    for messages in prompts:
+        ids = dec.encode(messages)
+        ref = dec.generate(ids, GenerationConfig(max_new_tokens=cut + horizon + 1, ignore_eos=True)).token_ids
+        prefix = ids + ref[:cut]
+        truth = ref[cut + 1:cut + 1 + horizon]  # after the root ref[cut], which the target itself wrote
+        for name in drafters:
+            dec.set_drafter(name)
+            drafter = dec.drafter
+            step = LocalTarget(target, drafter.encoder).start(prefix, SamplingParams())
+            assert step.verdict.bonus == ref[cut]
+            drafter.begin(prefix, step.context)
+            root, alone = ref[cut], []
+            for _ in range(horizon):
+                tree = drafter.propose(root, TreeConfig(1, 1, 1))
+                if len(tree) == 1:
+                    break
+                drafter.observe([root], None)
+                root = tree.tokens[1]
+                alone.append(root)
+            same = next((i for i, (a, b) in enumerate(zip(alone, truth, strict=False)) if a != b), len(alone))
+            r = results[name]
+            r.setdefault("first_divergence", []).append(same)
+            for h in HORIZONS:
+                r.setdefault(f"agree_{h}", []).append(sum(a == b for a, b in zip(alone[:h], truth[:h],
+                                                                                  strict=False)) / h)
+            r.setdefault("target_ppl", []).append(_perplexity(target, prefix + [ref[cut]], alone))
+        dec.set_drafter("none")
+    return {d: {k: sum(v) / len(v) for k, v in r.items()} for d, r in results.items()}
+
+
+def _perplexity(model, context: list[int], text: list[int]) -> float:
+    """The target's perplexity of `text` after `context` (teacher-forced, one pass)."""
+    if not text:
+        return float("inf")
+    model.reset()
+    model.prefill(context[:-1])
+    seq = torch.tensor([context[-1], *text[:-1]])
+    out = model.forward(seq)
+    model.reset()
+    logp = torch.log_softmax(out.logits.float(), -1)
+    nll = -logp[torch.arange(len(text)), torch.tensor(text)].mean()
+    return math.exp(float(nll))
+
+
+# ----------------------------------------------------------------------------- report
+def table(rows: list[Row]) -> str:
+    lines = ["| profile | method | tree | ms/token | calls/token | bytes up/token | bytes down/token | tau |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        n = max(1, r.tokens)
+        lines.append(f"| {r.profile} | {r.method} | {r.tree} | {r.ms_per_token:.1f} | {r.calls / n:.2f} | "
+                     f"{r.bytes_up / n:.0f} | {r.bytes_down / n:.0f} | {r.tau:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moaspec.bench.network", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--weights", default="fp16")
+    p.add_argument("--profiles", default=",".join(DEFAULT_PROFILES), help=f"among {', '.join(PROFILES)}")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--tasks", default="mtbench,humaneval,math")
+    p.add_argument("--questions", type=int, default=1, help="per task")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--tree-sweep", action="store_true", help="also MoA with fixed chains of 1, 2, 4, 8")
+    p.add_argument("--quality", action="store_true", help="also the drafter-alone quality after a cut")
+    p.add_argument("--cut", type=int, default=32)
+    p.add_argument("--no-network", action="store_true", help="skip the network runs (e.g. --quality alone)")
+    p.add_argument("--out", default="bench-out/network")
+    a = p.parse_args(argv)
+    profiles = [x for x in a.profiles.split(",") if x]
+    methods = [x for x in a.methods.split(",") if x]
+    bad = [x for x in profiles if x not in PROFILES] + [x for x in methods if x not in METHODS]
+    if bad:
+        raise UserError(f"unknown profile or method: {', '.join(bad)}")
+    questions = load_tasks(a.tasks.split(","), a.questions)
+    prompts = [[{"role": "user", "content": q.turns[0]}] for q in questions]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = []
+    if not a.no_network:
+        rows = run_network(a.model, profiles, methods, prompts, a.max_new_tokens, a.weights, a.tree_sweep, out)
+        report.append(table(rows))
+    if a.quality:
+        q = offline_quality(a.model, ["moa", "eagle", "independent"], prompts, a.cut, a.weights)
+        (out / "quality.json").write_text(json.dumps(q, indent=1))
+        lines = ["| drafter | tokens right before the first divergence | agreement 32 | agreement 64 | "
+                 "agreement 128 | target perplexity of its text |", "|---|---|---|---|---|---|"]
+        for name, r in q.items():
+            lines.append(f"| {name} | {r['first_divergence']:.1f} | {r['agree_32']:.2f} | {r['agree_64']:.2f} | "
+                         f"{r['agree_128']:.2f} | {r['target_ppl']:.1f} |")
+        report.append("\n".join(lines))
+    text = "\n\n".join(report)
+    (out / "report.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
