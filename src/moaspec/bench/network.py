@@ -9,9 +9,11 @@ profile changes between runs. For each profile and method it measures latency pe
 per token and bytes per token each way (as the proxy counted them on the wire).
 
 Methods: the client-server drafters (MoA, EAGLE-2, the independent drafter, prompt lookup, each with
-the adaptive chain that prices the round trip); `remote-plain`, one call per token; `api-stream`, the
-server writes the whole answer in one streamed OpenAI-style request (the usual API). `--tree-sweep` adds
-MoA with fixed chains, to show what the adaptive chain gains on each link.
+the adaptive chain that prices the round trip); `remote-plain`, one call per token on a session that
+keeps the KV cache; and two API baselines on `moaspec serve`: `api-stream`, the server writes the whole
+answer in one streamed request (the usual API), and `api-per-token`, one stateless completion request
+per token carrying the whole text so far. `--tree-sweep moa,lookup`
+adds those methods with fixed chains, to show what the adaptive chain gains on each link.
 
 `--quality` measures the drafter alone after a cut: from token k of the target's own answer, each
 drafter writes 128 tokens without the target; reported: the tokens it gets right before the first
@@ -45,7 +47,8 @@ from moaspec.serving.shaping import PROFILES, ShapingProxy
 
 DEFAULT_PROFILES = ("lan", "wifi", "5g", "4g", "satellite")
 CS_METHODS = ("moa", "eagle", "independent", "lookup")
-METHODS = (*CS_METHODS, "remote-plain", "api-stream")
+METHODS = (*CS_METHODS, "remote-plain", "api-stream", "api-per-token")
+API = ("api-stream", "api-per-token")
 SWEEP = ("chain:1", "chain:2", "chain:4", "chain:8", "adaptive:16")
 HORIZONS = (32, 64, 128)
 TOKEN = "moaspec-bench-network"
@@ -129,17 +132,38 @@ def _api_stream(port: int, model: str, messages: list[dict], max_tokens: int) ->
     return tokens, time.perf_counter() - t
 
 
+def _api_per_token(port: int, model: str, prompt: str, max_tokens: int) -> tuple[int, float, int]:
+    """One stateless completion request per token, each carrying the whole text so far (an API client
+    that drafts locally and asks for one token at a time); (tokens, seconds, requests)."""
+    import httpx
+
+    t = time.perf_counter()
+    n = 0
+    with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        while n < max_tokens:
+            n += 1
+            r = http.post(f"http://127.0.0.1:{port}/v1/completions",
+                          json={"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            choice = r.json()["choices"][0]
+            prompt += choice["text"]
+            if choice["finish_reason"] == "stop":
+                break
+    return n, time.perf_counter() - t, n
+
+
 def run_network(model: str, profiles: list[str], methods: list[str], prompts: list[list[dict]],
-                max_new_tokens: int, weights: str, sweep: bool, out: Path) -> list[Row]:
+                max_new_tokens: int, weights: str, sweep: list[str], out: Path) -> list[Row]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOASPEC_TOKEN": TOKEN}
     torch.set_num_threads(1)
     procs: list[subprocess.Popen] = []
     rows: list[Row] = []
     try:
         tport = _free_port()
-        procs.append(_launch(["serve-target", "--model", model, "--weights", weights], tport, env))
+        procs.append(_launch(["serve-target", "--model", model, "--weights", weights, "--max-sessions", "32",
+                              "--idle-timeout", "7200"], tport, env))
         aport = None
-        if "api-stream" in methods:
+        if any(m in API for m in methods):
             aport = _free_port()
             procs.append(_launch(["serve", "--model", model, "--weights", weights, "--drafter", "none"],
                                  aport, env))
@@ -147,15 +171,17 @@ def run_network(model: str, profiles: list[str], methods: list[str], prompts: li
                 ShapingProxy(("127.0.0.1", aport or tport)) as aproxy:
             url = f"ws://127.0.0.1:{tproxy.port}"
             runs = [(m, "adaptive:16") for m in methods]
-            if sweep:
-                runs += [("moa", t) for t in SWEEP if t != "adaptive:16"]
-            clients = {(m, t): _client(model, m, url, t, weights) for m, t in runs if m != "api-stream"}
+            runs += [(m, t) for m in sweep for t in SWEEP if (m, t) not in runs]
+            clients = {(m, t): _client(model, m, url, t, weights) for m, t in runs if m not in API}
+            from moaspec.models.store import load_tokenizer, resolve
+
+            tok = load_tokenizer(resolve(model))
             cfg = GenerationConfig(max_new_tokens=max_new_tokens, offline=False)
             for profile in profiles:
                 tproxy.set_profile(profile)
                 aproxy.set_profile(profile)
                 for method, tree in runs:
-                    proxy = aproxy if method == "api-stream" else tproxy
+                    proxy = aproxy if method in API else tproxy
                     tokens = calls = 0
                     seconds = tau_sum = 0.0
                     proxy.traffic(reset=True)
@@ -163,6 +189,11 @@ def run_network(model: str, profiles: list[str], methods: list[str], prompts: li
                         if method == "api-stream":
                             n, s = _api_stream(aproxy.port, model, messages, max_new_tokens)
                             tokens, seconds, calls = tokens + n, seconds + s, calls + 1
+                            continue
+                        if method == "api-per-token":
+                            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                            n, s, k = _api_per_token(aproxy.port, model, text, max_new_tokens)
+                            tokens, seconds, calls = tokens + n, seconds + s, calls + k
                             continue
                         dec = clients[(method, tree)]
                         before = dec.remote.calls
@@ -173,7 +204,7 @@ def run_network(model: str, profiles: list[str], methods: list[str], prompts: li
                         calls += dec.remote.calls - before
                         tau_sum += gen.metrics.tau * len(gen.token_ids)
                     traffic = proxy.traffic()
-                    row = Row(profile, method, tree if method != "api-stream" else "-", tokens, seconds, calls,
+                    row = Row(profile, method, tree if method not in API else "-", tokens, seconds, calls,
                               traffic.to_server, traffic.to_client, tau_sum / max(1, tokens))
                     rows.append(row)
                     print(f"{profile:10s} {method:13s} {row.tree:12s} {row.ms_per_token:8.1f} ms/token "
@@ -267,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", default="mtbench,humaneval,math")
     p.add_argument("--questions", type=int, default=1, help="per task")
     p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--tree-sweep", action="store_true", help="also MoA with fixed chains of 1, 2, 4, 8")
+    p.add_argument("--tree-sweep", nargs="?", const="moa", default="",
+                   help="also these client-server methods (default moa) with fixed chains of 1, 2, 4, 8")
     p.add_argument("--quality", action="store_true", help="also the drafter-alone quality after a cut")
     p.add_argument("--cut", type=int, default=32)
     p.add_argument("--no-network", action="store_true", help="skip the network runs (e.g. --quality alone)")
@@ -284,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = []
     if not a.no_network:
-        rows = run_network(a.model, profiles, methods, prompts, a.max_new_tokens, a.weights, a.tree_sweep, out)
+        sweep = [x for x in a.tree_sweep.split(",") if x]
+        if set(sweep) - set(CS_METHODS):
+            raise UserError(f"--tree-sweep takes client-server methods among {', '.join(CS_METHODS)}")
+        rows = run_network(a.model, profiles, methods, prompts, a.max_new_tokens, a.weights, sweep, out)
         report.append(table(rows))
     if a.quality:
         q = offline_quality(a.model, ["moa", "eagle", "independent"], prompts, a.cut, a.weights)

@@ -222,8 +222,13 @@ class RemoteTarget:
     def start(self, prompt: list[int], params: SamplingParams) -> Step:
         if not self.available():
             self.connect()
-        return self._step(pack({"type": "start", "prompt": list(prompt), "sampling": sampling_to_wire(params),
-                                "encoder": self.encoder, "wire": self.wire}))
+        frame = pack({"type": "start", "prompt": list(prompt), "sampling": sampling_to_wire(params),
+                      "encoder": self.encoder, "wire": self.wire})
+        try:
+            return self._step(frame)
+        except TargetUnavailable:  # e.g. the server closed the session while it sat idle: one new one
+            self.connect()
+            return self._step(frame)
 
     def verify(self, tree: Tree) -> Step:
         return self._step(pack(tree_to_wire(tree)))

@@ -177,8 +177,11 @@ class TargetServer:
             if token is None:
                 await ws.close(code=1008, reason="a valid bearer token is required")
                 return
-            if self.stats.by_token[token] >= self.limits.max_sessions:
-                await ws.close(code=1013, reason=f"at most {self.limits.max_sessions} sessions per token")
+            if self.stats.by_token[token] >= self.limits.max_sessions:  # in a frame: a 403 reads as a bad token
+                await ws.accept()
+                await self._send(ws, pack({"type": "error", "fatal": True, "message": f"this server allows at most "
+                                           f"{self.limits.max_sessions} open sessions per token; close one first"}))
+                await ws.close(code=1013)
                 return
             self.stats.by_token[token] += 1
             self.stats.sessions_open += 1
