@@ -9,15 +9,14 @@ generation and leaves the server working.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from openai import OpenAI
+from servers import Running
 
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.errors import UserError
@@ -32,33 +31,10 @@ N = 24
 LIMITS = ApiLimits(max_prompt_tokens=256, max_tokens=64, max_body_bytes=1 << 16)
 
 
-class Running:
-    """A uvicorn server on a free loopback port, in a thread."""
-
-    def __init__(self, app):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.uv.started:
-                break
-            time.sleep(0.05)
-        assert self.uv.started, "the server did not start"
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    def stop(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def served(dec_lookup):
     app = create_app(dec_lookup, SMOL, token=KEY, limits=LIMITS)
-    run = Running(app)
+    run = Running(app, path="/v1")
     yield app.state.api, run
     run.stop()
 
@@ -287,7 +263,7 @@ def test_open_api_listens_on_loopback_only(dec_lookup):
         with pytest.raises(UserError, match="without a key"):
             check_host(host, None)
         check_host(host, "a-key")
-    run = Running(create_app(dec_lookup, SMOL))  # no key: requests need none
+    run = Running(create_app(dec_lookup, SMOL), path="/v1")  # no key: requests need none
     try:
         assert [m.id for m in OpenAI(base_url=run.url, api_key="anything", max_retries=0).models.list().data] == [SMOL]
     finally:

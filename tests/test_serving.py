@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 import torch
-import uvicorn
+from servers import Running
 from websockets.sync.client import connect
 
 from moaspec.decoding.context import decode, encode
@@ -45,31 +45,6 @@ PROMPT = "Write a Python function that returns the squares of a list of numbers.
 COSTS = {1: 10.0, 2: 10.2, 4: 10.8, 8: 12.0}
 
 
-class Running:
-    """A uvicorn server on a free loopback port, in a thread."""
-
-    def __init__(self, server: TargetServer):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
-        config = uvicorn.Config(server.app, host="127.0.0.1", port=self.port, log_level="error",
-                                ws_max_size=server.limits.max_message_bytes)
-        self.uv = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.uv.started:
-                break
-            time.sleep(0.05)
-        assert self.uv.started, "the server did not start"
-        self.url = f"ws://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.uv.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def served(smol_folder):
     model = Transformer(smol_folder)
@@ -77,7 +52,7 @@ def served(smol_folder):
     server = TargetServer(model, SMOL, fp, TOKEN, load_encoders(model, SMOL, fp),
                           Limits(max_prompt_tokens=512, max_seq_len=1024, max_tree_tokens=32, max_sessions=3,
                                  max_message_bytes=1 << 16), pass_costs=COSTS)
-    run = Running(server)
+    run = Running(server.app, scheme="ws", ws_max_size=server.limits.max_message_bytes)
     yield server, run
     run.stop()
 
