@@ -332,17 +332,18 @@ def _serve_process(port: int, token_file) -> subprocess.Popen:
 
 
 def test_server_killed_mid_generation_then_restarted(tmp_path, dec_none):
-    """Real processes: the server is killed (SIGKILL) mid-generation; the client goes on alone with MoA,
-    marks those tokens unverified, reconnects when a new server process is up, re-verifies and
-    corrects: the final text equals plain greedy decoding."""
+    """Real processes, through the shaping proxy (wifi): the server is killed (SIGKILL) mid-generation;
+    the client goes on alone with MoA, marks those tokens unverified, reconnects when a new server
+    process is up on the same port, re-verifies and corrects: the final text equals plain greedy."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     port = _free_port()
     cfg = GenerationConfig(max_new_tokens=64, reconnect_timeout_s=180)
     want = dec_none.generate(PROMPT, cfg).token_ids
     procs = [_serve_process(port, token_file)]
+    proxy = ShapingProxy(("127.0.0.1", port), profile="wifi").start()
     try:
-        client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{port}", token=TOKEN,
+        client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
                              tree="adaptive:4", target_timeout_s=5)
         restart = threading.Thread(target=lambda: procs.append(_serve_process(port, token_file)))
 
@@ -356,8 +357,10 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, dec_none):
         m = client.engine.metrics
         assert m.unverified_tokens > 0 and m.reconnects == 1 and any(c.rollback for c in chunks)
         assert toks == want and all(flags)
+        assert proxy.traffic().to_server >= client.remote.bytes_out
         client.remote.shutdown()
     finally:
+        proxy.close()
         for p in procs:
             p.kill()
             p.wait()

@@ -90,7 +90,7 @@ class RemoteTarget:
             if code in (401, 403):
                 raise UserError(f"the target server at {self.url} refused the bearer token (HTTP {code})") from None
             raise TargetUnavailable(f"the target server at {self.url} answered HTTP {code}") from None
-        except (OSError, TimeoutError, InvalidHandshake) as e:
+        except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed) as e:
             raise TargetUnavailable(f"cannot reach the target server at {self.url}: {e}") from None
         try:
             frame = ws.recv(timeout=self.connect_timeout_s)
@@ -123,7 +123,7 @@ class RemoteTarget:
                 try:
                     self._fresh = self._open()
                     return
-                except UserError:  # TargetUnavailable, or a server that answers oddly while it starts
+                except Exception:  # unreachable, reset by a proxy, a server still starting: try again
                     self._stopping.wait(retry_s)
 
         self._retry = threading.Thread(target=retry, name="moaspec-reconnect", daemon=True)
