@@ -405,3 +405,21 @@ def test_remote_target_runs_the_engine_exactly_as_local(served, drafter, tempera
     assert got.token_ids == want.token_ids
     assert got.metrics.accept_lengths == want.metrics.accept_lengths
     remote.remote.shutdown()
+
+
+def test_token_file_reading(tmp_path, monkeypatch):
+    from moaspec.serving.remote import read_token
+
+    f = tmp_path / "token"
+    f.write_text("  s3cret  \nignored\n")
+    assert read_token(str(f)) == "s3cret"
+    f.write_text("   \n\n")  # whitespace only: an error, not a traceback
+    with pytest.raises(UserError, match="is empty"):
+        read_token(str(f))
+    with pytest.raises(UserError, match="cannot read"):
+        read_token(str(tmp_path / "missing"))
+    monkeypatch.setenv("MOASPEC_TOKEN", " from-env ")
+    assert read_token(None) == "from-env"
+    monkeypatch.delenv("MOASPEC_TOKEN")
+    with pytest.raises(UserError, match="no bearer token"):
+        read_token(None)

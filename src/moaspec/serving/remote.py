@@ -32,10 +32,10 @@ def read_token(token_file: str | None = None) -> str:
     """The bearer token: the first line of `token_file`, else $MOASPEC_TOKEN; UserError if neither."""
     if token_file:
         try:
-            token = Path(token_file).read_text().strip().splitlines()[0].strip() if Path(token_file).stat().st_size \
-                else ""
+            lines = Path(token_file).read_text().strip().splitlines()
         except OSError as e:
             raise UserError(f"cannot read the token file {token_file}: {e.strerror}") from None
+        token = lines[0].strip() if lines else ""
         if not token:
             raise UserError(f"the token file {token_file} is empty")
         return token
