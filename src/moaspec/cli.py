@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from moaspec.decoding.context import WIRE_DTYPES
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import ADAPTIVE_MAX_DEPTH, MAX_DEPTH, MAX_TOPK, MAX_TREE_TOKENS, TreeConfig
@@ -209,7 +210,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "only the drafter and the embedding/LM head run here")
     g.add_argument("--token-file", metavar="PATH", help="--target: file whose first line is the server's bearer "
                    "token (default: $MOASPEC_TOKEN)")
-    g.add_argument("--wire", default="fp16", choices=("fp32", "fp16", "int8"),
+    g.add_argument("--wire", default="fp16", choices=WIRE_DTYPES,
                    help="--target: precision of the drafter context the server sends back")
     g.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")

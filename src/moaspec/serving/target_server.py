@@ -29,6 +29,7 @@ import anyio
 import torch
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 
+from moaspec.decoding.context import WIRE_DTYPES
 from moaspec.decoding.context import encode as encode_context
 from moaspec.decoding.target import ContextEncoder, LocalTarget, Step
 from moaspec.drafters import TRAINED, shipped_checkpoint
@@ -97,8 +98,8 @@ class Session:
         prompt = check_prompt(header, srv.model.cfg.vocab_size, srv.limits)
         params = sampling_from_wire(header.get("sampling", {}))
         wire = header.get("wire", "fp16")
-        if wire not in ("fp32", "fp16", "int8"):
-            raise ProtocolError(f"unknown wire dtype {wire!r}; choose fp32, fp16 or int8")
+        if wire not in WIRE_DTYPES:
+            raise ProtocolError(f"unknown wire dtype {wire!r}; choose one of {', '.join(WIRE_DTYPES)}")
         encoder = None
         if header.get("encoder") is not None:
             eid = header["encoder"]
