@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -e ".[dev]"
 	$(BIN)/python -m pip install --no-deps $(EVAL_PACKAGES)
 	$(BIN)/moaspec models install smollm2-135m
+	$(BIN)/python -c "from moaspec.models import quant; quant.available()"  # int8/int4 kernels (fp16 if no compiler)
 	touch $@
 
 demo: setup

@@ -26,6 +26,7 @@ from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
 from moaspec.serving.protocol import Limits
+from moaspec.threads import MAX_THREADS, set_threads
 
 EXIT_USAGE = 2
 EXIT_INTERRUPT = 130
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     st.add_argument("--model", default=DEFAULT_MODEL, help=f"target: {', '.join(MODELS)}")
     st.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
+    st.add_argument("--threads", dest="kernel_threads", type=_threads, default="auto", metavar="N|auto",
+                    help="threads of the model's kernels (auto: the cores idle at start)")
     st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     st.add_argument("--port", type=int, default=8765)
     st.add_argument("--token-file", metavar="PATH", help="file whose first line is the bearer token clients must "
@@ -167,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "best per method), adaptive[:max depth] (chain length chosen per call) or depth,topk,total")
     b.add_argument("--checkpoints", metavar="DIR", help="folder of <method>/ drafter checkpoints (default: shipped)")
     b.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
+    b.add_argument("--threads", dest="kernel_threads", type=_threads, default="auto", metavar="N|auto",
+                   help="threads of the model's kernels (auto: the cores idle at start)")
     b.add_argument("--out", default="bench-out", help="answer files, report.md, results.json and plots; "
                    "a rerun resumes")
     b.add_argument("--seed", type=int, default=0)
@@ -205,7 +210,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-path", metavar="DIR",
                    help="checkpoint folder of a trained drafter (moa, eagle, independent, or the one of "
                         "--hybrid-model); default: the one shipped for the target")
-    g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers")
+    g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers "
+                   "(int8, int4[-gGROUP]: quantised, compiled kernels; see the README's table)")
+    g.add_argument("--threads", dest="kernel_threads", type=_threads, default="auto", metavar="N|auto",
+                   help="threads of the model's kernels (auto: the cores idle at start)")
     g.add_argument("--target", metavar="URL", help="verify on a `moaspec serve-target` server (ws://host:port): "
                    "only the drafter and the embedding/LM head run here")
     g.add_argument("--token-file", metavar="PATH", help="--target: file whose first line is the server's bearer "
@@ -649,10 +657,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------------- main
+def _threads(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of threads or 'auto', got {value!r}") from None
+    if not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"threads must be 1..{MAX_THREADS}, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if getattr(args, "kernel_threads", None) is not None:
+            set_threads(None if args.kernel_threads == "auto" else args.kernel_threads)
         return args.func(args)
     except (_UsageError, UserError) as e:
         with contextlib.suppress(Exception):

@@ -26,6 +26,7 @@ from moaspec.models.linear import WeightMode
 from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import cache_dir, load_tokenizer, resolve, weights_fingerprint
+from moaspec.threads import set_threads
 
 if TYPE_CHECKING:
     from moaspec.serving.remote import RemoteTarget
@@ -86,12 +87,16 @@ class SpecDecoder:
         token: str | None = None,
         wire: str = "fp16",
         target_timeout_s: float = 30.0,
+        threads: int | str | None = None,
     ):
-        """`target_url` (with the server's bearer `token`): verify on a `moaspec serve-target` server and
-        keep only the drafter and the target parts it shares (embedding, LM head) here; `wire` is the
-        dtype of the drafter context sent back (fp16, fp32, int8); a call unanswered for `target_timeout_s`
-        counts as a disconnection."""
+        """`threads`: the kernels' thread count for this process (an int, "auto" = the cores idle now, None =
+        leave it as it is). `target_url` (with the server's bearer `token`): verify on a `moaspec
+        serve-target` server and keep only the drafter and the target parts it shares (embedding, LM head)
+        here; `wire` is the dtype of the drafter context sent back (fp16, fp32, int8); a call unanswered
+        for `target_timeout_s` counts as a disconnection."""
         t = time.perf_counter()
+        if threads is not None:
+            set_threads(None if threads == "auto" else threads)
         self.model_name = model
         self.folder = resolve(model)
         self.tokenizer = load_tokenizer(self.folder)

@@ -7,17 +7,25 @@ fastest, with the row count padded where MKL is slow: 1 row runs as 2 (Qwen 0.5B
 inputs use `F.linear`. The `fp16` weight mode uses fbgemm's prepacked fp16 kernel (fp32 accumulation),
 about 2x faster at every row count. (Dynamic int8 was tried:
 per-tensor activation quantisation breaks on these models' outlier activations, logits off by >10.)
+The `int8` and `int4` modes store quantised weights and multiply them with the compiled kernels of
+`quant.py` (activations quantised per block of 32 values); `int4` groups 32 inputs per scale and
+offset unless the mode names another group (`int4-g64`, `int4-g128`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-WeightMode = Literal["fp32", "fp16"]
-WEIGHT_MODES: tuple[str, ...] = ("fp32", "fp16")
+from moaspec.models import quant
+
+WeightMode = Literal["fp32", "fp16", "int8", "int4", "int4-g64", "int4-g128"]
+WEIGHT_MODES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4", "int4-g64", "int4-g128")
+QUANTISED = ("int8", "int4", "int4-g64", "int4-g128")
+log = logging.getLogger(__name__)
 # At 5-8 rows, very tall matrices (an LM head) are multiplied 4 rows at a time: MKL's 5-8 row kernel is
 # slow there (Qwen 0.5B head, 8 rows: 52 ms in one call, 41 ms in two calls of 4).
 TALL = 32768
@@ -31,8 +39,17 @@ class Linear:
         self.mode = mode
         self.bias = None if bias is None else bias.float().contiguous()
         self.cpu = weight.device.type == "cpu"
-        self.weight = self.packed = None
-        if not self.cpu:
+        self.weight = self.packed = self.q = None
+        if mode in QUANTISED:
+            mode = self.mode = runnable_mode(mode, weight.device, self.in_features)
+        if mode in QUANTISED:
+            self.kernels = quant.kernels()
+            if mode == "int8":
+                self.q, self.scale = quant.quantize_int8(weight)
+            else:
+                self.group = int(mode.partition("-g")[2] or quant.BLOCK)
+                self.q, self.scale, self.offset = quant.quantize_int4(weight, self.group)
+        elif not self.cpu:
             # Accelerators: one F.linear in the weight dtype; cuBLAS handles every row count well.
             dtype = torch.float32 if mode == "fp32" else torch.bfloat16
             self.weight = weight.to(dtype).contiguous()
@@ -48,6 +65,11 @@ class Linear:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
         if self.packed is not None:
             return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+        if self.q is not None:
+            x = x.float().contiguous()
+            if self.mode == "int8":
+                return self.kernels.linear_q8(x, self.q, self.scale, self.bias)
+            return self.kernels.linear_q4(x, self.q, self.scale, self.offset, self.group, self.bias)
         if n > 16:
             return F.linear(x, self.weight, self.bias)
         if 4 < n <= 8 and self.out_features >= TALL:
@@ -64,6 +86,53 @@ class Linear:
         return (self.weight @ xc.T).T[:n].contiguous()
 
     def nbytes(self) -> int:
+        if self.q is not None:
+            extra = [self.scale] + ([self.offset] if self.mode != "int8" else [])
+            return sum(t.numel() * t.element_size() for t in [self.q, *extra])
         if self.packed is not None:
             return self.out_features * self.in_features * 2
         return self.weight.numel() * self.weight.element_size()
+
+
+# Like llama.cpp's Q4_K_M, the int4 modes keep the tensors that quantisation hurts most at 8 bits: the
+# attention values, the MLP's down projection and the LM head (Qwen 0.5B: KL to fp32 0.066 -> see README).
+INT8_IN_INT4 = ("self_attn.v_proj", "mlp.down_proj", "lm_head")
+
+
+def tensor_mode(mode: str, name: str) -> str:
+    """The weight mode of the tensor `name` (a module path) under the model-wide `mode`."""
+    return "int8" if mode.startswith("int4") and name.endswith(INT8_IN_INT4) else mode
+
+
+def runnable_mode(mode: str, device: torch.device, in_features: int | None = None) -> str:
+    """The weight mode this device (and a layer of `in_features` inputs) can run: the quantised modes
+    need the compiled CPU kernels and fall back to fp16 weights (with one warning) where those cannot
+    be built or on an accelerator; a layer whose width the kernel's blocks or the group do not divide
+    (int4: 64 inputs and the group, int8: 32) runs in the next finer mode that fits."""
+    if mode not in QUANTISED:
+        return mode
+    if in_features is not None:
+        if mode.startswith("int4-g") and in_features % int(mode.partition("-g")[2]):
+            mode = "int4"  # groups of 32 divide every width the next check lets through
+        if mode != "int8" and in_features % (2 * quant.BLOCK):
+            mode = "int8"
+        if in_features % quant.BLOCK:
+            return "fp16"
+    if device.type != "cpu":
+        _warn_once(f"--weights {mode} runs on the CPU kernels only; {device.type} uses 16-bit weights")
+        return "fp16"
+    try:
+        quant.kernels()
+    except quant.UserError as e:
+        _warn_once(f"--weights {mode} is unavailable here, using fp16: {e}")
+        return "fp16"
+    return mode
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from moaspec.errors import UserError
-from moaspec.models.linear import WEIGHT_MODES, WeightMode
+from moaspec.models.linear import WEIGHT_MODES, WeightMode, runnable_mode
 from moaspec.models.runtime import Layer, ModelConfig, rope_tables
 
 
@@ -43,7 +43,8 @@ class PartialTarget:
             raise UserError(f"unknown weight mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
         self.folder = Path(folder)
         self.cfg = cfg = ModelConfig.from_folder(self.folder)
-        self.device, self.weights = torch.device(device), weights
+        self.device = torch.device(device)
+        self.weights = runnable_mode(weights, self.device)
         self.files = sorted(self.folder.glob("*.safetensors"))
         if not self.files:
             raise UserError(f"no *.safetensors in {self.folder}")

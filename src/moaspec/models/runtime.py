@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from moaspec.errors import ContextLengthError, UserError
-from moaspec.models.linear import WEIGHT_MODES, Linear, WeightMode
+from moaspec.models import quant
+from moaspec.models.linear import QUANTISED, WEIGHT_MODES, Linear, WeightMode, runnable_mode, tensor_mode
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Layer:
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, mode: WeightMode):
         def lin(name: str, bias: bool = False) -> Linear:
             b = w.get(f"{prefix}.{name}.bias") if bias else None
-            return Linear(w[f"{prefix}.{name}.weight"], b, mode)
+            return Linear(w[f"{prefix}.{name}.weight"], b, tensor_mode(mode, name))
 
         self.q = lin("self_attn.q_proj", True)
         self.k = lin("self_attn.k_proj", True)
@@ -176,7 +177,7 @@ class Transformer:
         self.folder = Path(folder)
         self.cfg = cfg = ModelConfig.from_folder(self.folder)
         self.device = torch.device(device)
-        self.weights = weights
+        self.weights = weights = runnable_mode(weights, self.device)  # fp16 where int8/int4 cannot run
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise UserError(f"no *.safetensors in {self.folder}")
@@ -188,12 +189,16 @@ class Transformer:
         self.norm = w["model.norm.weight"].float()
         head = w.get("lm_head.weight", self.embed) if not cfg.tie_embeddings else self.embed
         self.lm_head_weight = head  # kept fp32 for drafters that share the frozen head
-        self.lm_head = Linear(head, None, weights)
+        self.lm_head = Linear(head, None, tensor_mode(weights, "lm_head"))
         del w
         self.max_seq_len = min(max_seq_len, cfg.max_position)
         self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
         self.cache = self.new_cache()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # Quantised activations turn last-bit differences between a 1-row step and a k-row verification
+        # into different tokens; their attention is row-invariant instead (`qgemm.cpp`).
+        self.row_invariant = weights in QUANTISED and self.device.type == "cpu"
+        self.kernels = quant.kernels() if self.row_invariant else None
 
     def new_cache(self, size: int | None = None) -> KVCache:
         """A cache of `size` slots (default: the model's context) for one more session."""
@@ -280,10 +285,13 @@ class Transformer:
         end = start + n
         cache.k[i, :, start:end] = k
         cache.v[i, :, start:end] = v
-        att = F.scaled_dot_product_attention(
-            q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end],
-            attn_mask=mask, scale=self.scale, enable_gqa=True,
-        )[0]
+        if self.row_invariant:
+            att = self.kernels.attention(q, cache.k[i], cache.v[i], end, mask, self.scale)
+        else:
+            att = F.scaled_dot_product_attention(
+                q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end],
+                attn_mask=mask, scale=self.scale, enable_gqa=True,
+            )[0]
         x = x + layer.o(att.transpose(0, 1).reshape(n, -1))
         h = rms_norm(x, layer.ln2, cfg.rms_eps).contiguous()
         return x + layer.down((F.silu(layer.gate(h)) * layer.up(h)).contiguous())

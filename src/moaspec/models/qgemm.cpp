@@ -1,0 +1,334 @@
+// Weight-only int8 / int4 linear layers for x86 CPUs with AVX2 (AVX-VNNI used where present).
+//
+// y = x @ W.T (+ b) for x [R, K] float32. The activations are quantised on the fly to int8 in blocks of
+// 32 values, one float scale per block (outliers stay local to their block), and every weight block
+// is multiplied with integer dot products, so each weight byte is read once for all R rows.
+//   int8: W = q * s[n]            q int8 in [-127, 127], one scale per output channel
+//   int4: W = q * s[n, g] + m[n, g]  q in [0, 15], scale and offset (fp16) per group of G inputs;
+//         32 values a block, byte j of a block holds value j (low nibble) and value j + 16 (high).
+// The offset term needs only the activations' block sums: sum_b dx_b * sum(qx_b) per group.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int QK = 32;  // values per activation block
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define MOASPEC_VNNI 1
+#endif
+
+struct QuantRows {
+  std::vector<int8_t> q;     // [R, K]; for int4 in pairs of blocks: (b 0..15, b+1 0..15, b 16..31, b+1 16..31)
+  std::vector<float> d;      // [R, K / 32] block scales; for int4 [R, K / 64, 16]:
+                             // (d_b x4, d_b+1 x4, c_b / 4 x4, c_b+1 / 4 x4), c = d * sum(q)
+  std::vector<float> gsum;   // [R, K / G] sum over the group's blocks of d * sum(q)
+};
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// acc + u8 x s8 products summed in fours to 8 int32 lanes (u8 pairs times s8 must not exceed int16
+// without VNNI: the callers keep u8 <= 128 there or 4 bits).
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#elif defined(MOASPEC_VNNI)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+QuantRows quantize_rows(const float* x, int64_t R, int64_t K, int64_t G, bool pairs) {
+  const int64_t nb = K / QK, ng = K / G, per_group = G / QK;
+  QuantRows out;
+  out.q.resize(R * K);
+  out.d.resize(pairs ? R * nb * 8 : R * nb);
+  out.gsum.assign(R * ng, 0.f);
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * QK;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+      }
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      const float d = _mm_cvtss_f32(m) / 127.f;
+      const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      __m256i i32[4];
+      for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest
+      // 4 x 8 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute restores order)
+      __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+      p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      int8_t* dst = out.q.data() + r * K;
+      __m256i s = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      s4 = _mm_hadd_epi32(s4, s4);
+      const float c = d * static_cast<float>(_mm_cvtsi128_si32(s4));  // the block's sum, dequantised
+      out.gsum[r * ng + b / per_group] += c;
+      if (pairs) {
+        const int64_t base = (b & ~int64_t(1)) * QK, half = (b & 1) * 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + base + half), _mm256_castsi256_si128(p8));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + base + 32 + half), _mm256_extracti128_si256(p8, 1));
+        float* dp = &out.d[(r * nb + (b & ~int64_t(1))) * 8 + (b & 1) * 4];
+        for (int i = 0; i < 4; ++i) dp[i] = d, dp[8 + i] = c * 0.25f;  // four lanes each sum to c
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * QK), p8);
+        out.d[r * nb + b] = d;
+      }
+    }
+  }
+  return out;
+}
+
+void check_input(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+}
+
+// int8 weights, one scale per output channel; returns the dot products before that scale.
+template <int RT>
+void q8_tile(const QuantRows& a, int64_t r0, const int8_t* w, int64_t K, float* out) {
+  const int64_t nb = K / QK;
+  __m256 acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
+#ifdef MOASPEC_VNNI
+    const __m256i wu = _mm256_xor_si256(wv, _mm256_set1_epi8(char(0x80)));  // w + 128, corrected below
+#else
+    const __m256i wu = _mm256_sign_epi8(wv, wv);
+#endif
+    for (int r = 0; r < RT; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * K + b * QK));
+#ifdef MOASPEC_VNNI
+      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wu, xv);
+#else
+      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wu, _mm256_sign_epi8(xv, wv));
+#endif
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&a.d[(r0 + r) * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    out[r] = hsum(acc[r]);
+#ifdef MOASPEC_VNNI
+    out[r] -= 128.f * a.gsum[r0 + r];
+#endif
+  }
+}
+
+// Two fp16 values per block pair as (v0 x4, v1 x4): both from one group when G >= 64.
+inline __m256 pair_vec(const uint16_t* v, int64_t b, int64_t per_group) {
+  if (per_group == 1) {
+    uint32_t two;
+    std::memcpy(&two, v + b, 4);
+    const __m256 f = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(two)));  // (v0, v1, v0, v1, ...)
+    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  return _mm256_set1_ps(_cvtsh_ss(v[b / per_group]));
+}
+
+// int4 weights, scale and offset per group of G inputs, two blocks (64 inputs) per step.
+template <int RT>
+void q4_tile(const QuantRows& a, int64_t r0, const uint8_t* w, const uint16_t* sc, const uint16_t* mn, int64_t K,
+             int64_t G, float* out) {
+  const int64_t nb = K / QK, per_group = G / QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * (QK / 2)));
+    const __m256i lo = _mm256_and_si256(packed, low);                         // (b 0..15, b+1 0..15)
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);  // (b 16..31, b+1 16..31)
+    const __m256 svec = pair_vec(sc, b, per_group), mvec = pair_vec(mn, b, per_group);
+    for (int r = 0; r < RT; ++r) {
+      const int8_t* x = a.q.data() + (r0 + r) * K + b * QK;
+      const float* d = &a.d[((r0 + r) * nb + b) * 8];  // (d_b x4, d_b+1 x4), then (c_b x4, c_b+1 x4)
+      __m256i p = dot_u8s8(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+      p = dot_u8s8(p, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(svec, _mm256_loadu_ps(d)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mvec, _mm256_loadu_ps(d + 8), acc[r]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) out[r] = hsum(acc[r]);
+}
+
+constexpr int RT = 4;  // rows per register tile
+
+template <typename Tile>
+torch::Tensor run(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias, const float* post_scale,
+                  Tile tile) {
+  auto y = torch::empty({R, N}, torch::kFloat32);
+  float* yp = y.data_ptr<float>();
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "bias must be a contiguous float32 [out] tensor");
+    bp = bias->data_ptr<float>();
+  }
+  // Channels are split among threads; each weight row is read once from memory for all R rows. For
+  // many rows (prefill) a block of channels meets each tile of rows while both sit in L1.
+  constexpr int64_t NB = 16;
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
+    float out[RT];
+    for (int64_t n0 = begin * NB; n0 < std::min(N, end * NB); n0 += NB) {
+      const int64_t n1 = std::min(N, n0 + NB);
+      for (int64_t r0 = 0; r0 < R; r0 += RT) {
+        const int64_t rt = std::min<int64_t>(RT, R - r0);
+        for (int64_t n = n0; n < n1; ++n) {
+          tile(n, r0, rt, out);
+          const float ps = post_scale ? post_scale[n] : 1.f;
+          const float b = bp ? bp[n] : 0.f;
+          for (int64_t r = 0; r < rt; ++r) yp[(r0 + r) * N + n] = out[r] * ps + b;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
+                        const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == torch::kInt8 && qw.is_contiguous(), "qw must be int8 [out, in]");
+  const int64_t N = qw.size(0), K = qw.size(1), R = x.size(0);
+  check_input(x, K);
+  TORCH_CHECK(K % QK == 0, "int8 layers need in_features divisible by 32");
+  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(),
+              "scale must be float32 [out]");
+  const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, K, false);
+  const int8_t* w = qw.data_ptr<int8_t>();
+  return run(R, N, bias, scale.data_ptr<float>(), [&](int64_t n, int64_t r0, int64_t rt, float* out) {
+    const int8_t* wn = w + n * K;
+    switch (rt) {
+      case 4: q8_tile<4>(a, r0, wn, K, out); break;
+      case 3: q8_tile<3>(a, r0, wn, K, out); break;
+      case 2: q8_tile<2>(a, r0, wn, K, out); break;
+      default: q8_tile<1>(a, r0, wn, K, out);
+    }
+  });
+}
+
+torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
+                        const torch::Tensor& offset, int64_t G, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == torch::kUInt8 && qw.is_contiguous(),
+              "qw must be uint8 [out, in / 2]");
+  const int64_t N = qw.size(0), K = qw.size(1) * 2, R = x.size(0);
+  check_input(x, K);
+  TORCH_CHECK(K % (2 * QK) == 0, "int4 layers need in_features divisible by 64");
+  TORCH_CHECK(G % QK == 0 && K % G == 0, "group size must be a multiple of 32 dividing in_features");
+  for (const auto* t : {&scale, &offset})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == K / G && t->scalar_type() == torch::kFloat16 &&
+                    t->is_contiguous(), "scale and offset must be float16 [out, in / group]");
+  const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, G, true);
+  const uint8_t* w = qw.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
+  const int64_t ng = K / G;
+  return run(R, N, bias, nullptr, [&](int64_t n, int64_t r0, int64_t rt, float* out) {
+    const uint8_t* wn = w + n * (K / 2);
+    const uint16_t *sn = sp + n * ng, *mn = mp + n * ng;
+    switch (rt) {
+      case 4: q4_tile<4>(a, r0, wn, sn, mn, K, G, out); break;
+      case 3: q4_tile<3>(a, r0, wn, sn, mn, K, G, out); break;
+      case 2: q4_tile<2>(a, r0, wn, sn, mn, K, G, out); break;
+      default: q4_tile<1>(a, r0, wn, sn, mn, K, G, out);
+    }
+  });
+}
+
+// Attention whose result for a row does not depend on the other rows of the call. The int8 activation
+// blocks round to the nearest step, so a difference in the last bit of an attention output (which
+// SDPA has between a 1-row decode step and a k-row verification) becomes a different token now and
+// then. Here each (head, row) sums over its visible slots in ascending order with a fixed vector
+// order, whatever the row count, mask or thread split: a token verified in a tree gets the logits
+// that plain decoding computes for it.
+// q [H, n, d]; k, v [Hkv, S, d] (one layer of the cache); the first T slots are read; mask [n, T]
+// (true = visible) or causal over the last n slots when absent.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t T,
+                        const c10::optional<torch::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be float32 [heads, rows, head_dim]");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+              "k and v must be float32 [kv_heads, slots, head_dim]");
+  const auto qc = q.contiguous();
+  const int64_t H = q.size(0), n = q.size(1), d = q.size(2), Hkv = k.size(0);
+  TORCH_CHECK(d % 8 == 0 && k.size(2) == d && v.size(2) == d, "head_dim must match and be a multiple of 8");
+  TORCH_CHECK(H % Hkv == 0 && T <= k.size(1) && T >= n, "bad head or slot counts");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v need contiguous head_dim");
+  const bool* mp = nullptr;
+  torch::Tensor mc;
+  if (mask.has_value() && mask->defined()) {
+    mc = mask->to(torch::kBool).contiguous();
+    TORCH_CHECK(mc.dim() == 2 && mc.size(0) == n && mc.size(1) == T, "mask must be bool [rows, slots]");
+    mp = mc.data_ptr<bool>();
+  }
+  auto out = torch::empty({H, n, d}, torch::kFloat32);
+  const float* qp = qc.data_ptr<float>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / Hkv, nv = d / 8;
+  at::parallel_for(0, H * n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(T);
+    std::vector<__m256> acc(nv);
+    for (int64_t hi = begin; hi < end; ++hi) {
+      const int64_t h = hi / n, i = hi % n, kvh = h / group;
+      const float* qv = qp + (h * n + i) * d;
+      const bool* row = mp ? mp + i * T : nullptr;
+      const int64_t last = T - n + i;  // causal: slots 0..last
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < T; ++t) {
+        if (row ? !row[t] : t > last) continue;
+        const float* kt = kp + kvh * ks0 + t * ks1;
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nv; ++j) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * j), _mm256_loadu_ps(kt + 8 * j), a);
+        const float sc = hsum(a) * static_cast<float>(scale);
+        scores[t] = sc;
+        mx = std::max(mx, sc);
+      }
+      for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
+      float sum = 0.f;
+      for (int64_t t = 0; t < T; ++t) {
+        if (row ? !row[t] : t > last) continue;
+        const float e = std::exp(scores[t] - mx);
+        sum += e;
+        const __m256 ev = _mm256_set1_ps(e);
+        const float* vt = vp + kvh * vs0 + t * vs1;
+        for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vt + 8 * j), acc[j]);
+      }
+      const __m256 inv = _mm256_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+      for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(op + (h * n + i) * d + 8 * j, _mm256_mul_ps(acc[j], inv));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "weight-only int8/int4 linear layers with block-quantised activations (AVX2)";
+  m.def("linear_q8", &linear_q8, "y = x @ (q * s).T + b", py::arg("x"), py::arg("qw"), py::arg("scale"),
+        py::arg("bias") = py::none());
+  m.def("attention", &attention, "row-invariant attention over the first T cache slots", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("T"), py::arg("mask") = py::none(), py::arg("scale"));
+  m.def("linear_q4", &linear_q4, "y = x @ (q * s + m).T + b, groups of G inputs", py::arg("x"), py::arg("qw"),
+        py::arg("scale"), py::arg("offset"), py::arg("group"), py::arg("bias") = py::none());
+}
