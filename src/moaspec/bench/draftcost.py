@@ -106,8 +106,7 @@ def _moa_step_bytes(drafter: Any) -> int:
 
 def _target_step_bytes(target: Transformer) -> int:
     return target.lm_head.nbytes() + sum(
-        lin.nbytes() for layer in target.layers
-        for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
+        lin.nbytes() for layer in target.layers for lin in layer.linears())
 
 
 class Bench:

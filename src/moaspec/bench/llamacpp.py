@@ -71,8 +71,9 @@ def _num(pattern: str, text: str, what: str) -> list[str]:
 
 def generate(prompt: str, model_gguf: Path, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
              draft_gguf: Path | None = None, threads: int = 2, ctx: int = 4096,
-             timeout: float = 1800) -> LlamaCppAnswer:
-    """One answer to an already chat-templated `prompt` (special tokens are parsed, as our tokenizer does)."""
+             timeout: float = 1800, raw: bool = False) -> LlamaCppAnswer:
+    """One answer to an already chat-templated `prompt` (special tokens are parsed, as our tokenizer does);
+    `raw`: the plain program's text as written (a code completion keeps its leading indentation)."""
     if why := missing():
         raise UserError(f"llama.cpp is not built: {why}")
     common = ["-m", str(model_gguf), "-p", prompt, "-n", str(max_new_tokens), "-c", str(ctx), "-t", str(threads),
@@ -85,7 +86,7 @@ def generate(prompt: str, model_gguf: Path, max_new_tokens: int, temperature: fl
         sampled, = _num(r"samplers time =\s*[\d.]+ ms /\s*(\d+) tokens", err, "the token count")
         n = int(sampled) - int(n_prompt)
         n -= n < max_new_tokens  # it stopped on an end-of-generation token, which our count leaves out
-        return LlamaCppAnswer(out.strip(), n, float(p_ms) / 1e3, (float(total_ms) - float(p_ms)) / 1e3)
+        return LlamaCppAnswer(out if raw else out.strip(), n, float(p_ms) / 1e3, (float(total_ms) - float(p_ms)) / 1e3)
     out, err = _run([str(bin_dir() / SPEC), *common, "--spec-type", "draft-simple", "-md", str(draft_gguf),
                     "-td", str(threads)], timeout)
     enc, = _num(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", err, "the prompt time")

@@ -45,6 +45,18 @@ def _ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def greedy(m: Transformer, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """Plain greedy decoding on the bare runtime (no engine): what a decode step costs."""
+    m.reset()
+    tok = m.prefill(prompt_ids).logits[-1].argmax()
+    out = [int(tok)]
+    for _ in range(new_tokens - 1):
+        tok = m.forward(tok[None]).logits[-1].argmax()
+        m.advance(1)
+        out.append(int(tok))
+    return out
+
+
 def decode_speed(folder, prompt_ids: list[int], new_tokens: int, rounds: int) -> dict:
     """Greedy decode tokens/s: transformers generate vs this runtime (fp32, fp16), interleaved."""
     from transformers import AutoModelForCausalLM
@@ -60,17 +72,8 @@ def decode_speed(folder, prompt_ids: list[int], new_tokens: int, rounds: int) ->
                               pad_token_id=0, attention_mask=torch.ones_like(ids))
         return out[0, len(prompt_ids):].tolist()
 
-    def run_ours(m: Transformer) -> list[int]:
-        m.reset()
-        tok = m.prefill(prompt_ids).logits[-1].argmax()
-        out = [int(tok)]
-        for _ in range(new_tokens - 1):
-            tok = m.forward(tok[None]).logits[-1].argmax()
-            m.advance(1)
-            out.append(int(tok))
-        return out
-
-    runs = {"transformers": run_hf, "fp32": lambda: run_ours(ours["fp32"]), "fp16": lambda: run_ours(ours["fp16"])}
+    runs = {"transformers": run_hf, "fp32": lambda: greedy(ours["fp32"], prompt_ids, new_tokens),
+            "fp16": lambda: greedy(ours["fp16"], prompt_ids, new_tokens)}
     speeds: dict[str, list[float]] = {k: [] for k in runs}
     tokens: dict[str, list[int]] = {}
     for _ in range(rounds):

@@ -338,8 +338,7 @@ class FrozenTargetLayer:
 
     @property
     def trainable(self) -> bool:  # gradients can flow through it to the CA output
-        return all(lin.weight is not None for lin in (self.layer.q, self.layer.k, self.layer.v, self.layer.o,
-                                                      self.layer.gate, self.layer.up, self.layer.down))
+        return all(lin.weight is not None for lin in self.layer.linears())
 
     def __call__(
         self,
@@ -356,13 +355,19 @@ class FrozenTargetLayer:
         attended keys are prefix then the rows' own."""
         c, lay = self.cfg, self.layer
         h = rms_norm(x, lay.ln1, c.rms_eps)
-        q = apply_rope(_split_heads(_frozen_linear(lay.q, h), c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(_split_heads(_frozen_linear(lay.k, h), c.num_kv_heads, c.head_dim), cos, sin)
-        v = _split_heads(_frozen_linear(lay.v, h), c.num_kv_heads, c.head_dim)
+        if lay.qkv is not None:  # quantised target: fused kernels (inference only)
+            q, k, v = (t.view(*h.shape[:-1], -1) for t in lay.project_qkv(h.reshape(-1, h.shape[-1])))
+        else:
+            q, k, v = (_frozen_linear(lin, h) for lin in (lay.q, lay.k, lay.v))
+        q = apply_rope(_split_heads(q, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(_split_heads(k, c.num_kv_heads, c.head_dim), cos, sin)
+        v = _split_heads(v, c.num_kv_heads, c.head_dim)
         if cache is not None:
             k, v = cache.update(start, k, v)
         elif prefix is not None:
             k, v = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
         x = x + _frozen_linear(lay.o, _merge_heads(_attention(q, k, v, mask)))
         h = rms_norm(x, lay.ln2, c.rms_eps)
+        if lay.gate_up is not None:
+            return x + lay.mlp(h.reshape(-1, h.shape[-1])).view(x.shape)
         return x + _frozen_linear(lay.down, F.silu(_frozen_linear(lay.gate, h)) * _frozen_linear(lay.up, h))

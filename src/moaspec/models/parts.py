@@ -87,5 +87,4 @@ class PartialTarget:
         own = self.embed.numel() + self.norm.numel()
         if self.lm_head_weight is not self.embed:
             own += self.lm_head_weight.numel()
-        return own + sum(lin.in_features * lin.out_features for layer in self._tail
-                         for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down))
+        return own + sum(lin.in_features * lin.out_features for layer in self._tail for lin in layer.linears())

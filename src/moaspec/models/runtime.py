@@ -90,22 +90,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Layer:
-    """One decoder layer's weights; the math lives in `Transformer.layer_forward`."""
+    """One decoder layer's weights; the math lives in `Transformer.layer_forward`. In the quantised modes
+    q|k|v and gate|up are fused into one kernel call each (one activation quantisation, one dispatch)."""
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, mode: WeightMode):
+        def weight(name: str) -> torch.Tensor:
+            return w[f"{prefix}.{name}.weight"]
+
         def lin(name: str, bias: bool = False) -> Linear:
             b = w.get(f"{prefix}.{name}.bias") if bias else None
-            return Linear(w[f"{prefix}.{name}.weight"], b, tensor_mode(mode, name))
+            return Linear(weight(name), b, tensor_mode(mode, name))
 
-        self.q = lin("self_attn.q_proj", True)
-        self.k = lin("self_attn.k_proj", True)
-        self.v = lin("self_attn.v_proj", True)
+        self.q = self.k = self.v = self.gate = self.up = self.qkv = self.gate_up = None
+        if mode in QUANTISED:
+            names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            biases = [w.get(f"{prefix}.{n}.bias") for n in names]
+            bias = None if any(b is None for b in biases) else torch.cat(biases)
+            self.qkv = Linear(torch.cat([weight(n) for n in names]), bias, tensor_mode(mode, "self_attn.qkv"))
+            self.qkv_sizes = [weight(n).shape[0] for n in names]
+            self.gate_up = Linear(torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")]), None, mode)
+        else:
+            self.q = lin("self_attn.q_proj", True)
+            self.k = lin("self_attn.k_proj", True)
+            self.v = lin("self_attn.v_proj", True)
+            self.gate = lin("mlp.gate_proj")
+            self.up = lin("mlp.up_proj")
         self.o = lin("self_attn.o_proj")
-        self.gate = lin("mlp.gate_proj")
-        self.up = lin("mlp.up_proj")
         self.down = lin("mlp.down_proj")
         self.ln1 = w[f"{prefix}.input_layernorm.weight"].float()
         self.ln2 = w[f"{prefix}.post_attention_layernorm.weight"].float()
+
+    def linears(self) -> list[Linear]:
+        """The layer's kernels as stored (fused or not)."""
+        return [lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.gate_up, self.down)
+                if lin is not None]
+
+    def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of rows h [n, D]."""
+        if self.qkv is not None:
+            return self.qkv(h).split(self.qkv_sizes, -1)
+        return self.q(h), self.k(h), self.v(h)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(h)) * up(h)) of rows h [n, D]."""
+        if self.gate_up is not None:
+            g, u = self.gate_up(h).chunk(2, -1)
+        else:
+            g, u = self.gate(h), self.up(h)
+        return self.down((F.silu(g) * u).contiguous())
 
 
 @dataclass
@@ -278,9 +310,10 @@ class Transformer:
         start = cache.length
         n = x.shape[0]
         h = rms_norm(x, layer.ln1, cfg.rms_eps)
-        q = layer.q(h).view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-        k = layer.k(h).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        v = layer.v(h).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        q, k, v = layer.project_qkv(h)
+        q = q.reshape(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         end = start + n
         cache.k[i, :, start:end] = k
@@ -294,7 +327,7 @@ class Transformer:
             )[0]
         x = x + layer.o(att.transpose(0, 1).reshape(n, -1))
         h = rms_norm(x, layer.ln2, cfg.rms_eps).contiguous()
-        return x + layer.down((F.silu(layer.gate(h)) * layer.up(h)).contiguous())
+        return x + layer.mlp(h)
 
     # ---------------------------------------------------------------- the model's own cache
     def advance(self, n: int) -> None:
@@ -361,7 +394,4 @@ class Transformer:
 
     def num_parameters(self) -> int:
         return sum(t.numel() for t in (self.embed, self.norm)) + sum(
-            lin.in_features * lin.out_features
-            for layer in self.layers
-            for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up, layer.down)
-        )
+            lin.in_features * lin.out_features for layer in self.layers for lin in layer.linears())
