@@ -53,6 +53,7 @@ def test_missing_programs_say_how_to_build(programs):
 def test_plain_and_speculative_outputs_are_read(programs):
     _program(programs, llamacpp.PLAIN, " def f(x):\n    return x\n", PLAIN_ERR)
     _program(programs, llamacpp.SPEC, "\n\n<|im_start|>user hi<|im_end|> Hello there\n\n", SPEC_ERR)
+    _program(programs, llamacpp.LOOKUP, "\n\n<|im_start|>user hi<|im_end|> Hello again\n\n", SPEC_ERR)
     assert llamacpp.missing() is None
     a = llamacpp.generate("<|im_start|>user hi<|im_end|>", programs / "m.gguf", 20, temperature=1.0, seed=7)
     assert (a.text, a.new_tokens, a.prompt_s, a.decode_s) == ("def f(x):\n    return x", 20, 0.1205, 0.54)
@@ -65,6 +66,12 @@ def test_plain_and_speculative_outputs_are_read(programs):
     assert (s.prompt_s, s.decode_s) == (0.13, 0.9)
     args = (programs / f"{llamacpp.SPEC}.args").read_text().split()
     assert args[args.index("-md") + 1] == str(programs / "d.gguf") and args[args.index("--temp") + 1] == "0"
+
+    lk = llamacpp.generate("<|im_start|>user hi<|im_end|>", programs / "m.gguf", 24, lookup=True)
+    assert (lk.text, lk.new_tokens, lk.drafted, lk.accepted) == ("Hello again", 24, 27, 15)
+    assert "-md" not in (programs / f"{llamacpp.LOOKUP}.args").read_text().split()
+    raw = llamacpp.generate("def f(x):\n", programs / "m.gguf", 20, raw=True)
+    assert raw.text == " def f(x):\n    return x\n"  # a completion keeps its indentation
 
 
 def test_failures_are_clear(programs):
@@ -91,8 +98,10 @@ def test_llama_cpp_joins_the_default_methods_where_built(programs):
     assert any("make llama-cpp" in n for n in resolve_methods(cfg)[1])
     _program(programs, llamacpp.PLAIN, "", PLAIN_ERR)
     _program(programs, llamacpp.SPEC, "", SPEC_ERR)
+    _program(programs, llamacpp.LOOKUP, "", SPEC_ERR)
     names = [m.name for m in resolve_methods(cfg)[0]]
     assert names[:3] == ["plain", "hf", "llama.cpp"] and "llama.cpp-spec" not in names  # SmolLM2 has no pair
+    assert "llama.cpp-lookup" in names
 
 
 def test_report_reads_count_only_answers():

@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     b.add_argument("--model", default="qwen2.5-coder-0.5b")
     b.add_argument("--methods", default="", help="comma-separated among plain, hf, hf-assisted, llama.cpp, "
-                   "llama.cpp-spec, lookup, suffix, model, independent, eagle, moa, moa-n1, moa-n3, hybrid, "
-                   "hybrid-merge; default: plain, "
+                   "llama.cpp-spec, llama.cpp-lookup, lookup, suffix, model, independent, eagle, moa, moa-n1, "
+                   "moa-n3, hybrid, hybrid-merge; default: plain, "
                    "the peers (llama.cpp where `make llama-cpp` built it) and every drafter with a checkpoint")
     b.add_argument("--tasks", default="", help="comma-separated task sets; default: all")
     b.add_argument("--questions", type=int, default=None, help="questions per task (default: the whole set)")

@@ -19,7 +19,7 @@ from pathlib import Path
 from moaspec.errors import UserError
 from moaspec.models.store import cache_dir
 
-PLAIN, SPEC = "llama-completion", "llama-speculative-simple"
+PLAIN, SPEC, LOOKUP = "llama-completion", "llama-speculative-simple", "llama-lookup"
 
 
 def bin_dir() -> Path:
@@ -27,9 +27,9 @@ def bin_dir() -> Path:
     return Path(env).expanduser() if env else cache_dir() / "llama.cpp" / "build" / "bin"
 
 
-def missing() -> str | None:
-    """Why llama.cpp can't run here, or None when both programs are built."""
-    absent = [b for b in (PLAIN, SPEC) if not (bin_dir() / b).is_file()]
+def missing(programs: tuple[str, ...] = (PLAIN, SPEC)) -> str | None:
+    """Why llama.cpp can't run here, or None when the programs are built."""
+    absent = [b for b in programs if not (bin_dir() / b).is_file()]
     if absent:
         return f"{', '.join(absent)} not found in {bin_dir()}; build them with `make llama-cpp`"
     return None
@@ -71,14 +71,15 @@ def _num(pattern: str, text: str, what: str) -> list[str]:
 
 def generate(prompt: str, model_gguf: Path, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
              draft_gguf: Path | None = None, threads: int = 2, ctx: int = 4096,
-             timeout: float = 1800, raw: bool = False) -> LlamaCppAnswer:
+             timeout: float = 1800, raw: bool = False, lookup: bool = False) -> LlamaCppAnswer:
     """One answer to an already chat-templated `prompt` (special tokens are parsed, as our tokenizer does);
-    `raw`: the plain program's text as written (a code completion keeps its leading indentation)."""
-    if why := missing():
+    `raw`: the plain program's text as written (a code completion keeps its leading indentation);
+    `lookup`: llama.cpp's prompt-lookup decoding (`llama-lookup`, n-grams of the context as drafts)."""
+    if why := missing((PLAIN, LOOKUP if lookup else SPEC)):
         raise UserError(f"llama.cpp is not built: {why}")
     common = ["-m", str(model_gguf), "-p", prompt, "-n", str(max_new_tokens), "-c", str(ctx), "-t", str(threads),
               *_sampling(temperature, seed)]
-    if draft_gguf is None:
+    if draft_gguf is None and not lookup:
         flags = ["--no-warmup", "-no-cnv", "--no-display-prompt", "--simple-io"]
         out, err = _run([str(bin_dir() / PLAIN), *common, *flags], timeout)
         p_ms, n_prompt = _num(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", err, "the prompt time")
@@ -87,8 +88,11 @@ def generate(prompt: str, model_gguf: Path, max_new_tokens: int, temperature: fl
         n = int(sampled) - int(n_prompt)
         n -= n < max_new_tokens  # it stopped on an end-of-generation token, which our count leaves out
         return LlamaCppAnswer(out if raw else out.strip(), n, float(p_ms) / 1e3, (float(total_ms) - float(p_ms)) / 1e3)
-    out, err = _run([str(bin_dir() / SPEC), *common, "--spec-type", "draft-simple", "-md", str(draft_gguf),
-                    "-td", str(threads)], timeout)
+    if lookup:
+        out, err = _run([str(bin_dir() / LOOKUP), *common], timeout)
+    else:
+        out, err = _run([str(bin_dir() / SPEC), *common, "--spec-type", "draft-simple", "-md", str(draft_gguf),
+                         "-td", str(threads)], timeout)
     enc, = _num(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", err, "the prompt time")
     n, dec = _num(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "the generation time")
     drafted, = _num(r"n_drafted\s*=\s*(\d+)", err, "the drafted count")

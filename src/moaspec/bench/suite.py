@@ -9,7 +9,8 @@ computed from them alone, and an interrupted run resumes from them.
 Methods:
 - `plain`: this runtime, no drafter (the speedup reference); `hf`: transformers `generate`;
   `hf-assisted`: transformers assisted generation with the target's default draft model;
-  `llama.cpp` and `llama.cpp-spec`: llama.cpp on the shipped GGUF, plain and with the default draft
+  `llama.cpp`, `llama.cpp-spec` and `llama.cpp-lookup`: llama.cpp on the shipped GGUF, plain, with its
+  prompt-lookup decoding (`llama-lookup`), and with the default draft
   model (`bench.llamacpp`; optional, built by `make llama-cpp`);
 - engine drafters `lookup`, `suffix`, `model` (a same-tokenizer draft LM), and the trained `independent`,
   `eagle`, `moa`, `moa-n1`, `moa-n3` loaded from checkpoint folders named so;
@@ -38,7 +39,7 @@ from moaspec.errors import UserError
 from moaspec.models.store import MODELS, gguf_file
 from moaspec.pipeline import SpecDecoder
 
-PEERS = ("hf", "hf-assisted", "llama.cpp", "llama.cpp-spec")
+PEERS = ("hf", "hf-assisted", "llama.cpp", "llama.cpp-spec", "llama.cpp-lookup")
 TRAINED_METHODS = ("independent", "eagle", "moa", "moa-n1", "moa-n3")
 HYBRID_METHODS = {"hybrid": "switch", "hybrid-merge": "merge"}  # suffix + the moa checkpoint, by policy
 METHODS = ("plain", *PEERS, "lookup", "suffix", "model", *TRAINED_METHODS, *HYBRID_METHODS)
@@ -97,7 +98,8 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
         if why := llamacpp.missing():
             notes.append(f"llama.cpp peers left out: {why}")
         else:
-            names[2:2] = ["llama.cpp", "llama.cpp-spec"] if pair else ["llama.cpp"]
+            names[2:2] = ["llama.cpp", *(["llama.cpp-spec"] if pair else []),
+                          *(["llama.cpp-lookup"] if llamacpp.missing((llamacpp.LOOKUP,)) is None else [])]
     bad = [n for n in names if n not in METHODS]
     if bad:
         raise UserError(f"unknown method(s) {', '.join(bad)}; choose among {', '.join(METHODS)}")
@@ -122,7 +124,7 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
             out.append(Method(n, drafter_kind(n), str(folder)))
             continue
         if n.startswith("llama.cpp"):
-            why = llamacpp.missing()
+            why = llamacpp.missing((llamacpp.LOOKUP,) if n == "llama.cpp-lookup" else (llamacpp.PLAIN, llamacpp.SPEC))
             if why is None and cfg.model not in MODELS:
                 why = f"it reads the shipped GGUF of a known model, not {cfg.model}"
             if why:
@@ -214,9 +216,10 @@ class Bench:
         """llama.cpp on the same rendered prompt (special tokens kept as text, which it parses back)."""
         prompt = self.dec.tokenizer.decode(ids, skip_special_tokens=False)
         draft = self._gguf(method.draft_model) if method.draft_model else None
+        lookup = method.name == "llama.cpp-lookup"
         a = llamacpp.generate(prompt, self._gguf(self.cfg.model), gen.max_new_tokens, gen.sampling.temperature,
-                              gen.sampling.seed or 0, draft_gguf=draft, threads=torch.get_num_threads())
-        calls = a.new_tokens - a.accepted if draft else a.new_tokens
+                              gen.sampling.seed or 0, draft_gguf=draft, threads=torch.get_num_threads(), lookup=lookup)
+        calls = a.new_tokens - a.accepted if draft or lookup else a.new_tokens
         return TurnResult(a.text, None, a.prompt_s + a.decode_s, prefill_s=a.prompt_s, new_tokens=a.new_tokens,
                           target_calls=calls)
 
