@@ -100,9 +100,13 @@ class Linear:
 INT8_IN_INT4 = ("self_attn.qkv", "self_attn.v_proj", "mlp.down_proj", "lm_head")
 
 
-def tensor_mode(mode: str, name: str) -> str:
-    """The weight mode of the tensor `name` (a module path) under the model-wide `mode`."""
-    return "int8" if mode.startswith("int4") and name.endswith(INT8_IN_INT4) else mode
+def tensor_mode(mode: str, name: str, weight: torch.Tensor | None = None) -> str:
+    """The weight mode of the tensor `name` (a module path) under the model-wide `mode`: int8 for the
+    sensitive ones in the int4 modes, unless the weights already lie on int4's grid of 32 (a Q4_1 GGUF's
+    tensors: there int4 is exact and int8 would not be)."""
+    if not (mode.startswith("int4") and name.endswith(INT8_IN_INT4)):
+        return mode
+    return "int4" if weight is not None and quant.on_int4_grid(weight) else "int8"
 
 
 def runnable_mode(mode: str, device: torch.device, in_features: int | None = None) -> str:

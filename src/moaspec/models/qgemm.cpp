@@ -27,8 +27,7 @@ constexpr int QK = 32;  // values per activation block
 
 struct QuantRows {
   std::vector<int8_t> q;     // [R, K]; for int4 in pairs of blocks: (b 0..15, b+1 0..15, b 16..31, b+1 16..31)
-  std::vector<float> d;      // [R, K / 32] block scales; for int4 [R, K / 64, 16]:
-                             // (d_b x4, d_b+1 x4, c_b / 4 x4, c_b+1 / 4 x4), c = d * sum(q)
+  std::vector<float> d;      // [R, K / 32] block scales; for int4 [R, K / 64, 8]: (d_b x4, d_b+1 x4)
   std::vector<float> gsum;   // [R, K / G] sum over the group's blocks of d * sum(q)
 };
 
@@ -55,7 +54,7 @@ QuantRows quantize_rows(const float* x, int64_t R, int64_t K, int64_t G, bool pa
   const int64_t nb = K / QK, ng = K / G, per_group = G / QK;
   QuantRows out;
   out.q.resize(R * K);
-  out.d.resize(pairs ? R * nb * 8 : R * nb);
+  out.d.resize(pairs ? R * nb * 4 : R * nb);
   out.gsum.assign(R * ng, 0.f);
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   for (int64_t r = 0; r < R; ++r) {
@@ -88,8 +87,8 @@ QuantRows quantize_rows(const float* x, int64_t R, int64_t K, int64_t G, bool pa
         const int64_t base = (b & ~int64_t(1)) * QK, half = (b & 1) * 16;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + base + half), _mm256_castsi256_si128(p8));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + base + 32 + half), _mm256_extracti128_si256(p8, 1));
-        float* dp = &out.d[(r * nb + (b & ~int64_t(1))) * 8 + (b & 1) * 4];
-        for (int i = 0; i < 4; ++i) dp[i] = d, dp[8 + i] = c * 0.25f;  // four lanes each sum to c
+        float* dp = &out.d[(r * nb + (b & ~int64_t(1))) * 4 + (b & 1) * 4];
+        for (int i = 0; i < 4; ++i) dp[i] = d;
       } else {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * QK), p8);
         out.d[r * nb + b] = d;
@@ -105,38 +104,76 @@ void check_input(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
 }
 
-// int8 weights, one scale per output channel; returns the dot products before that scale.
-template <int RT>
-void q8_tile(const QuantRows& a, int64_t r0, const int8_t* w, int64_t K, float* out) {
-  const int64_t nb = K / QK;
-  __m256 acc[RT];
-  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
+// The tiles below compute NC channels x RT rows at once: the weight block is loaded (and unpacked) once
+// for the RT rows, the activation block once for the NC channels, and NC * RT * U accumulators are
+// independent chains (U = 2 alternates blocks), so the FMA latency is hidden. U is the same for every
+// tile shape, so a row's result never depends on the tile it was computed in (same sums, same order).
+
+template <int NC, int RT, int U>
+__attribute__((always_inline)) inline void q8_block(const QuantRows& a, int64_t r0, const int8_t* w, int64_t K,
+                                                    int64_t nb, int64_t b, int u, __m256 (&acc)[NC][RT][U]) {
+  __m256i wv[NC], wu[NC];
+  for (int c = 0; c < NC; ++c) {
+    wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * K + b * QK));
 #ifdef MOASPEC_VNNI
-    const __m256i wu = _mm256_xor_si256(wv, _mm256_set1_epi8(char(0x80)));  // w + 128, corrected below
+    wu[c] = _mm256_xor_si256(wv[c], _mm256_set1_epi8(char(0x80)));  // w + 128, corrected at the end
 #else
-    const __m256i wu = _mm256_sign_epi8(wv, wv);
+    wu[c] = _mm256_sign_epi8(wv[c], wv[c]);
 #endif
-    for (int r = 0; r < RT; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * K + b * QK));
-#ifdef MOASPEC_VNNI
-      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wu, xv);
-#else
-      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wu, _mm256_sign_epi8(xv, wv));
-#endif
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&a.d[(r0 + r) * nb + b]), acc[r]);
-    }
   }
   for (int r = 0; r < RT; ++r) {
-    out[r] = hsum(acc[r]);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * K + b * QK));
+    const __m256 dv = _mm256_broadcast_ss(&a.d[(r0 + r) * nb + b]);
+    for (int c = 0; c < NC; ++c) {
 #ifdef MOASPEC_VNNI
-    out[r] -= 128.f * a.gsum[r0 + r];
+      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wu[c], xv);
+#else
+      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wu[c], _mm256_sign_epi8(xv, wv[c]));
 #endif
+      acc[c][r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dv, acc[c][r][u]);
+    }
   }
 }
 
-// Two fp16 values per block pair as (v0 x4, v1 x4): both from one group when G >= 64.
+// int8 weights, one scale per output channel; out[c * RT + r] before that scale.
+template <int NC, int RT, int U>
+void q8_tile(const QuantRows& a, int64_t r0, const int8_t* w, int64_t K, float* out) {
+  const int64_t nb = K / QK;
+  __m256 acc[NC][RT][U];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < U; ++u) acc[c][r][u] = _mm256_setzero_ps();
+  // blocks b0 + u go to accumulator u; the blocks after the last full group to accumulator 0
+  int64_t b0 = 0;
+  for (; b0 + U <= nb; b0 += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) q8_block<NC, RT, U>(a, r0, w, K, nb, b0 + u, u, acc);
+  }
+  for (; b0 < nb; ++b0) q8_block<NC, RT, U>(a, r0, w, K, nb, b0, 0, acc);
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RT; ++r) {
+      __m256 t = acc[c][r][0];
+      for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[c][r][u]);
+      out[c * RT + r] = hsum(t);
+#ifdef MOASPEC_VNNI
+      out[c * RT + r] -= 128.f * a.gsum[r0 + r];
+#endif
+    }
+}
+
+// sum_g offset[g] * gsum[g]: the int4 offsets' share of a dot product.
+inline float offset_dot(const uint16_t* mn, const float* gs, int64_t ng) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g))),
+                          _mm256_loadu_ps(gs + g), acc);
+  float s = hsum(acc);
+  for (; g < ng; ++g) s += _cvtsh_ss(mn[g]) * gs[g];
+  return s;
+}
+
+// Two fp16 scales per block pair as (s0 x4, s1 x4): both from one group when G >= 64.
 inline __m256 pair_vec(const uint16_t* v, int64_t b, int64_t per_group) {
   if (per_group == 1) {
     uint32_t two;
@@ -147,36 +184,63 @@ inline __m256 pair_vec(const uint16_t* v, int64_t b, int64_t per_group) {
   return _mm256_set1_ps(_cvtsh_ss(v[b / per_group]));
 }
 
-// int4 weights, scale and offset per group of G inputs, two blocks (64 inputs) per step.
-template <int RT>
-void q4_tile(const QuantRows& a, int64_t r0, const uint8_t* w, const uint16_t* sc, const uint16_t* mn, int64_t K,
-             int64_t G, float* out) {
-  const int64_t nb = K / QK, per_group = G / QK;
+template <int NC, int RT, int U>
+__attribute__((always_inline)) inline void q4_pair(const QuantRows& a, int64_t r0, const uint8_t* w,
+                                                   const uint16_t* sc, int64_t K, int64_t nb, int64_t ng,
+                                                   int64_t per_group, int64_t b, int u, __m256 (&acc)[NC][RT][U]) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[RT];
-  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b += 2) {
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * (QK / 2)));
-    const __m256i lo = _mm256_and_si256(packed, low);                         // (b 0..15, b+1 0..15)
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);  // (b 16..31, b+1 16..31)
-    const __m256 svec = pair_vec(sc, b, per_group), mvec = pair_vec(mn, b, per_group);
-    for (int r = 0; r < RT; ++r) {
-      const int8_t* x = a.q.data() + (r0 + r) * K + b * QK;
-      const float* d = &a.d[((r0 + r) * nb + b) * 8];  // (d_b x4, d_b+1 x4), then (c_b x4, c_b+1 x4)
-      __m256i p = dot_u8s8(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-      p = dot_u8s8(p, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(svec, _mm256_loadu_ps(d)), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mvec, _mm256_loadu_ps(d + 8), acc[r]);
+  __m256i lo[NC], hi[NC];
+  __m256 sv[NC];
+  for (int c = 0; c < NC; ++c) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * (K / 2) + b * (QK / 2)));
+    lo[c] = _mm256_and_si256(packed, low);                         // (b 0..15, b+1 0..15)
+    hi[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);  // (b 16..31, b+1 16..31)
+    sv[c] = pair_vec(sc + c * ng, b, per_group);
+  }
+  for (int r = 0; r < RT; ++r) {
+    const int8_t* x = a.q.data() + (r0 + r) * K + b * QK;
+    const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+    const __m256 dv = _mm256_loadu_ps(&a.d[((r0 + r) * nb + b) * 4]);  // (d_b x4, d_b+1 x4)
+    for (int c = 0; c < NC; ++c) {
+      const __m256i p = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo[c], xa), hi[c], xb);
+      acc[c][r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv[c], dv), acc[c][r][u]);
     }
   }
-  for (int r = 0; r < RT; ++r) out[r] = hsum(acc[r]);
 }
 
-constexpr int RT = 4;  // rows per register tile
+// int4 weights, scale and offset per group of G inputs, two blocks (64 inputs) per step.
+template <int NC, int RT, int U>
+void q4_tile(const QuantRows& a, int64_t r0, const uint8_t* w, const uint16_t* sc, const uint16_t* mn, int64_t K,
+             int64_t G, float* out) {
+  const int64_t nb = K / QK, ng = K / G, per_group = G / QK;
+  __m256 acc[NC][RT][U];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RT; ++r)
+      for (int u = 0; u < U; ++u) acc[c][r][u] = _mm256_setzero_ps();
+  // block pairs b0 + 2u go to accumulator u; the pairs after the last full group to accumulator 0
+  int64_t b0 = 0;
+  for (; b0 + 2 * U <= nb; b0 += 2 * U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) q4_pair<NC, RT, U>(a, r0, w, sc, K, nb, ng, per_group, b0 + 2 * u, u, acc);
+  }
+  for (; b0 < nb; b0 += 2) q4_pair<NC, RT, U>(a, r0, w, sc, K, nb, ng, per_group, b0, 0, acc);
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RT; ++r) {
+      __m256 t = acc[c][r][0];
+      for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[c][r][u]);
+      out[c * RT + r] = hsum(t) + offset_dot(mn + c * ng, &a.gsum[(r0 + r) * ng], ng);
+    }
+}
 
-template <typename Tile>
+constexpr int U = 2;  // accumulators per (channel, row): the same for every tile shape
+
+// Runs tiles(rt, n, r0, out) over all channels and rows; out[r] is channel n, row r0 + r. (Tiles of
+// several channels were measured slower: one channel at a time reads the weights as one sequential
+// stream, which the hardware prefetcher follows; four interleaved rows it did not.)
+template <typename Tiles>
 torch::Tensor run(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias, const float* post_scale,
-                  Tile tile) {
+                  Tiles tiles) {
   auto y = torch::empty({R, N}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   const float* bp = nullptr;
@@ -185,20 +249,21 @@ torch::Tensor run(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias
                 "bias must be a contiguous float32 [out] tensor");
     bp = bias->data_ptr<float>();
   }
-  // Channels are split among threads; each weight row is read once from memory for all R rows. For
-  // many rows (prefill) a block of channels meets each tile of rows while both sit in L1.
+  // Channels are split among threads in blocks; each weight row is read from memory once for all R
+  // rows. For many rows (prefill) a block of channels meets each tile of rows while both sit in L1.
   constexpr int64_t NB = 16;
+  const int RT = R == 1 ? 1 : 2;
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
-    float out[RT];
+    float out[16];
     for (int64_t n0 = begin * NB; n0 < std::min(N, end * NB); n0 += NB) {
       const int64_t n1 = std::min(N, n0 + NB);
       for (int64_t r0 = 0; r0 < R; r0 += RT) {
-        const int64_t rt = std::min<int64_t>(RT, R - r0);
+        const int rt = static_cast<int>(std::min<int64_t>(RT, R - r0));
         for (int64_t n = n0; n < n1; ++n) {
-          tile(n, r0, rt, out);
+          tiles(rt, n, r0, out);
           const float ps = post_scale ? post_scale[n] : 1.f;
           const float b = bp ? bp[n] : 0.f;
-          for (int64_t r = 0; r < rt; ++r) yp[(r0 + r) * N + n] = out[r] * ps + b;
+          for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n] = out[r] * ps + b;
         }
       }
     }
@@ -216,14 +281,10 @@ torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qw, const t
               "scale must be float32 [out]");
   const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, K, false);
   const int8_t* w = qw.data_ptr<int8_t>();
-  return run(R, N, bias, scale.data_ptr<float>(), [&](int64_t n, int64_t r0, int64_t rt, float* out) {
+  return run(R, N, bias, scale.data_ptr<float>(), [&](int rt, int64_t n, int64_t r0, float* out) {
     const int8_t* wn = w + n * K;
-    switch (rt) {
-      case 4: q8_tile<4>(a, r0, wn, K, out); break;
-      case 3: q8_tile<3>(a, r0, wn, K, out); break;
-      case 2: q8_tile<2>(a, r0, wn, K, out); break;
-      default: q8_tile<1>(a, r0, wn, K, out);
-    }
+    if (rt == 2) q8_tile<1, 2, U>(a, r0, wn, K, out);
+    else q8_tile<1, 1, U>(a, r0, wn, K, out);
   });
 }
 
@@ -243,15 +304,11 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qw, const t
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
   const int64_t ng = K / G;
-  return run(R, N, bias, nullptr, [&](int64_t n, int64_t r0, int64_t rt, float* out) {
+  return run(R, N, bias, nullptr, [&](int rt, int64_t n, int64_t r0, float* out) {
     const uint8_t* wn = w + n * (K / 2);
     const uint16_t *sn = sp + n * ng, *mn = mp + n * ng;
-    switch (rt) {
-      case 4: q4_tile<4>(a, r0, wn, sn, mn, K, G, out); break;
-      case 3: q4_tile<3>(a, r0, wn, sn, mn, K, G, out); break;
-      case 2: q4_tile<2>(a, r0, wn, sn, mn, K, G, out); break;
-      default: q4_tile<1>(a, r0, wn, sn, mn, K, G, out);
-    }
+    if (rt == 2) q4_tile<1, 2, U>(a, r0, wn, sn, mn, K, G, out);
+    else q4_tile<1, 1, U>(a, r0, wn, sn, mn, K, G, out);
   });
 }
 

@@ -66,7 +66,8 @@ def kernels():
             # (a retry needs a new module name: torch skips the build of a name it has loaded before)
             return cpp_extension.load(
                 name=name if attempt == 0 else f"{name}_rebuilt", sources=[str(SOURCE)], build_directory=str(build),
-                extra_cflags=["-O3", *arch, "-fno-math-errno"], verbose=bool(os.environ.get("MOASPEC_VERBOSE")),
+                extra_cflags=["-O3", *arch, "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                verbose=bool(os.environ.get("MOASPEC_VERBOSE")),
             )
         except Exception as e:  # a damaged build: build once more from scratch; no compiler: say so
             if attempt == 0 and any(build.iterdir()):
@@ -142,6 +143,17 @@ def _int4_groups(g: torch.Tensor, narrowing: tuple[float, ...] = (1.0, 0.95, 0.9
             best = [torch.where(take, new, old) for new, old in zip((q, s, m, err), best, strict=True)]
     q, s, m, _ = best
     return q.to(torch.uint8), s[..., 0].half(), m[..., 0].half()
+
+
+def on_int4_grid(w: torch.Tensor, group: int = BLOCK, sample_rows: int = 64) -> bool:
+    """Whether int4 with this group holds `w` exactly: true of the tensors a Q4_0/Q4_1 GGUF de-quantised to
+    (the least-squares refit recovers each block's scale and offset). A sample of rows answers most no's."""
+    if w.shape[1] % (2 * BLOCK) or w.shape[1] % group:
+        return False
+    for rows in (w[:sample_rows], w):
+        if not torch.equal(dequantize_int4(*quantize_int4(rows, group)), rows.float()):
+            return False
+    return True
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -99,14 +99,15 @@ class Layer:
 
         def lin(name: str, bias: bool = False) -> Linear:
             b = w.get(f"{prefix}.{name}.bias") if bias else None
-            return Linear(weight(name), b, tensor_mode(mode, name))
+            return Linear(weight(name), b, tensor_mode(mode, name, weight(name)))
 
         self.q = self.k = self.v = self.gate = self.up = self.qkv = self.gate_up = None
         if mode in QUANTISED:
             names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
             biases = [w.get(f"{prefix}.{n}.bias") for n in names]
             bias = None if any(b is None for b in biases) else torch.cat(biases)
-            self.qkv = Linear(torch.cat([weight(n) for n in names]), bias, tensor_mode(mode, "self_attn.qkv"))
+            qkv = torch.cat([weight(n) for n in names])
+            self.qkv = Linear(qkv, bias, tensor_mode(mode, "self_attn.qkv", qkv))
             self.qkv_sizes = [weight(n).shape[0] for n in names]
             self.gate_up = Linear(torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")]), None, mode)
         else:
@@ -221,7 +222,7 @@ class Transformer:
         self.norm = w["model.norm.weight"].float()
         head = w.get("lm_head.weight", self.embed) if not cfg.tie_embeddings else self.embed
         self.lm_head_weight = head  # kept fp32 for drafters that share the frozen head
-        self.lm_head = Linear(head, None, tensor_mode(weights, "lm_head"))
+        self.lm_head = Linear(head, None, tensor_mode(weights, "lm_head", head))
         del w
         self.max_seq_len = min(max_seq_len, cfg.max_position)
         self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
