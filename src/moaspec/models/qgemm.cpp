@@ -252,7 +252,7 @@ torch::Tensor run(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias
   // Channels are split among threads in blocks; each weight row is read from memory once for all R
   // rows. For many rows (prefill) a block of channels meets each tile of rows while both sit in L1.
   constexpr int64_t NB = 16;
-  const int RT = R == 1 ? 1 : 2;
+  const int RT = R < 4 ? static_cast<int>(R < 2 ? 1 : 2) : (R < 8 ? 4 : 8);
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
     float out[16];
     for (int64_t n0 = begin * NB; n0 < std::min(N, end * NB); n0 += NB) {
@@ -283,8 +283,16 @@ torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qw, const t
   const int8_t* w = qw.data_ptr<int8_t>();
   return run(R, N, bias, scale.data_ptr<float>(), [&](int rt, int64_t n, int64_t r0, float* out) {
     const int8_t* wn = w + n * K;
-    if (rt == 2) q8_tile<1, 2, U>(a, r0, wn, K, out);
-    else q8_tile<1, 1, U>(a, r0, wn, K, out);
+    switch (rt) {
+      case 8: q8_tile<1, 8, U>(a, r0, wn, K, out); break;
+      case 7: q8_tile<1, 7, U>(a, r0, wn, K, out); break;
+      case 6: q8_tile<1, 6, U>(a, r0, wn, K, out); break;
+      case 5: q8_tile<1, 5, U>(a, r0, wn, K, out); break;
+      case 4: q8_tile<1, 4, U>(a, r0, wn, K, out); break;
+      case 3: q8_tile<1, 3, U>(a, r0, wn, K, out); break;
+      case 2: q8_tile<1, 2, U>(a, r0, wn, K, out); break;
+      default: q8_tile<1, 1, U>(a, r0, wn, K, out);
+    }
   });
 }
 
@@ -307,8 +315,16 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qw, const t
   return run(R, N, bias, nullptr, [&](int rt, int64_t n, int64_t r0, float* out) {
     const uint8_t* wn = w + n * (K / 2);
     const uint16_t *sn = sp + n * ng, *mn = mp + n * ng;
-    if (rt == 2) q4_tile<1, 2, U>(a, r0, wn, sn, mn, K, G, out);
-    else q4_tile<1, 1, U>(a, r0, wn, sn, mn, K, G, out);
+    switch (rt) {
+      case 8: q4_tile<1, 8, U>(a, r0, wn, sn, mn, K, G, out); break;
+      case 7: q4_tile<1, 7, U>(a, r0, wn, sn, mn, K, G, out); break;
+      case 6: q4_tile<1, 6, U>(a, r0, wn, sn, mn, K, G, out); break;
+      case 5: q4_tile<1, 5, U>(a, r0, wn, sn, mn, K, G, out); break;
+      case 4: q4_tile<1, 4, U>(a, r0, wn, sn, mn, K, G, out); break;
+      case 3: q4_tile<1, 3, U>(a, r0, wn, sn, mn, K, G, out); break;
+      case 2: q4_tile<1, 2, U>(a, r0, wn, sn, mn, K, G, out); break;
+      default: q4_tile<1, 1, U>(a, r0, wn, sn, mn, K, G, out);
+    }
   });
 }
 

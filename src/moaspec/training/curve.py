@@ -22,7 +22,8 @@ from moaspec.training.train import TrainConfig, Trainer
 def run(cfg: TrainConfig, points: list[int]) -> dict:
     points = sorted(points)
     cfg.data_tokens, cfg.epochs, cfg.lr_min = points[-1], 1.0, cfg.lr
-    cfg.val_every = cfg.save_every = 10**9  # validation happens at the budgets below
+    cfg.val_every = 10**9  # validation happens at the budgets below
+    cfg.save_every = 200  # a run of many sessions (Qwen at 2M tokens) keeps its progress between budgets
     tr = Trainer(cfg)
     seen, steps = 0, []
     for step in range(cfg.steps):
