@@ -19,6 +19,8 @@ from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve
 
 torch.set_num_threads(int(os.environ.get("MOASPEC_TEST_THREADS", "1")))
+# the CLI's --threads default (auto) would otherwise retune this process and every server it starts
+os.environ.setdefault("MOASPEC_THREADS", os.environ.get("MOASPEC_TEST_THREADS", "1"))
 
 SMOL = "smollm2-135m"
 NEAR_TIE = 1e-4  # a top-2 logit margin below this may legitimately flip under float round-off

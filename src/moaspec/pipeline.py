@@ -22,7 +22,8 @@ from moaspec.decoding.tree import AdaptiveChain, TreeConfig, tree_for_costs
 from moaspec.drafters import build_drafter
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
-from moaspec.models.linear import WeightMode
+from moaspec.models import quant
+from moaspec.models.linear import QUANTISED, WeightMode
 from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import cache_dir, load_tokenizer, resolve, weights_fingerprint
@@ -156,6 +157,8 @@ class SpecDecoder:
         if self.remote is not None:
             return self.remote.pass_costs()
         key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
+        if self.target.weights in QUANTISED:  # new kernels, new costs
+            key += f"|{quant.source_tag()}"
         path = cache_dir() / "calibration.json"
         try:
             known = json.loads(path.read_text())

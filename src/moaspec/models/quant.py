@@ -80,6 +80,11 @@ def kernels():
     raise AssertionError("unreachable")
 
 
+def source_tag() -> str:
+    """A short hash of the kernels' source: what cached measurements of them are keyed on."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+
+
 def available() -> bool:
     try:
         kernels()
