@@ -86,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     st.add_argument("--model", default=DEFAULT_MODEL, help=f"target: {', '.join(MODELS)}")
     st.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
-    st.add_argument("--threads", dest="kernel_threads", type=_threads, default=_THREADS_DEFAULT, metavar="N|auto",
-                    help="kernel threads (auto: the cores idle at start; default: $MOASPEC_THREADS or auto)")
+    _add_threads_arg(st)
     st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     st.add_argument("--port", type=int, default=8765)
     st.add_argument("--token-file", metavar="PATH", help="file whose first line is the bearer token clients must "
@@ -171,8 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "best per method), adaptive[:max depth] (chain length chosen per call) or depth,topk,total")
     b.add_argument("--checkpoints", metavar="DIR", help="folder of <method>/ drafter checkpoints (default: shipped)")
     b.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
-    b.add_argument("--threads", dest="kernel_threads", type=_threads, default=_THREADS_DEFAULT, metavar="N|auto",
-                   help="kernel threads (auto: the cores idle at start; default: $MOASPEC_THREADS or auto)")
+    _add_threads_arg(b)
     b.add_argument("--out", default="bench-out", help="answer files, report.md, results.json and plots; "
                    "a rerun resumes")
     b.add_argument("--seed", type=int, default=0)
@@ -213,8 +211,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "--hybrid-model); default: the one shipped for the target")
     g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers "
                    "(int8, int4[-gGROUP]: quantised, compiled kernels; see the README's table)")
-    g.add_argument("--threads", dest="kernel_threads", type=_threads, default=_THREADS_DEFAULT, metavar="N|auto",
-                   help="kernel threads (auto: the cores idle at start; default: $MOASPEC_THREADS or auto)")
+    _add_threads_arg(g)
     g.add_argument("--target", metavar="URL", help="verify on a `moaspec serve-target` server (ws://host:port): "
                    "only the drafter and the embedding/LM head run here")
     g.add_argument("--token-file", metavar="PATH", help="--target: file whose first line is the server's bearer "
@@ -234,6 +231,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(default {_TREE_DEFAULTS['total_tokens']})")
     t.add_argument("--adaptive", action="store_true", help="draft a chain whose length (up to --depth, default "
                    f"{ADAPTIVE_MAX_DEPTH}) is chosen per call from live acceptance and this machine's costs")
+
+
+def _add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--threads", dest="kernel_threads", type=_threads, default=_THREADS_DEFAULT, metavar="N|auto",
+                   help="kernel threads (auto: the cores idle at start; default: $MOASPEC_THREADS or auto)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

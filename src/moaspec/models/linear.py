@@ -47,7 +47,7 @@ class Linear:
             if mode == "int8":
                 self.q, self.scale = quant.quantize_int8(weight)
             else:
-                self.group = int(mode.partition("-g")[2] or quant.BLOCK)
+                self.group = int4_group(mode)
                 self.q, self.scale, self.offset = quant.quantize_int4(weight, self.group)
         elif not self.cpu:
             # Accelerators: one F.linear in the weight dtype; cuBLAS handles every row count well.
@@ -96,8 +96,13 @@ class Linear:
 
 # Like llama.cpp's Q4_K_M, the int4 modes keep the tensors that quantisation hurts most at 8 bits: the
 # attention values, the MLP's down projection and the LM head (Qwen 0.5B: KL to fp32 0.066 -> see README).
-# q|k|v are fused into one kernel there, so all three go to 8 bits (4% of a layer's weights).
-INT8_IN_INT4 = ("self_attn.qkv", "self_attn.v_proj", "mlp.down_proj", "lm_head")
+# The values are fused with q and k into one kernel there, so all three go to 8 bits (4% of a layer).
+INT8_IN_INT4 = ("self_attn.qkv", "mlp.down_proj", "lm_head")
+
+
+def int4_group(mode: str) -> int:
+    """The group size an int4 mode names (`int4` = 32, `int4-g64` = 64)."""
+    return int(mode.partition("-g")[2] or quant.BLOCK)
 
 
 def tensor_mode(mode: str, name: str, weight: torch.Tensor | None = None) -> str:
@@ -117,7 +122,7 @@ def runnable_mode(mode: str, device: torch.device, in_features: int | None = Non
     if mode not in QUANTISED:
         return mode
     if in_features is not None:
-        if mode.startswith("int4-g") and in_features % int(mode.partition("-g")[2]):
+        if mode != "int8" and in_features % int4_group(mode):
             mode = "int4"  # groups of 32 divide every width the next check lets through
         if mode != "int8" and in_features % (2 * quant.BLOCK):
             mode = "int8"
