@@ -158,6 +158,36 @@ def test_training_resumes_and_is_deterministic(tmp_path):
     assert all((straight[k] - resumed[k]).abs().max() < 1e-5 for k in straight)
 
 
+def test_sigterm_stops_after_the_step_saved_and_resumes(tmp_path, monkeypatch):
+    """A job ended by SIGTERM (a session's stop) saves after the current step and loses nothing."""
+    import os
+    import signal
+
+    data = _slice(tmp_path, 8, 2)
+    cfg = dict(data=str(data), steps=5, batch_size=1, max_len=64, vocab_ids=1024, warmup=1, val_every=1000,
+               save_every=1000, val_sequences=2, seed=3)
+    straight = Trainer(TrainConfig(out=str(tmp_path / "a"), **cfg))
+    straight.run()
+    tr = Trainer(TrainConfig(out=str(tmp_path / "b"), **cfg))
+    batch = tr.batch
+
+    def batch_then_term(step: int):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return batch(step)
+
+    monkeypatch.setattr(tr, "batch", batch_then_term)
+    before = signal.getsignal(signal.SIGTERM)
+    result = tr.run()
+    assert result["stopped"] and result["steps"] == 2
+    assert torch.load(tmp_path / "b" / "trainer.pt", weights_only=False)["step"] == 2
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    resumed = Trainer(TrainConfig(out=str(tmp_path / "b"), **cfg))
+    assert not resumed.run()["stopped"]
+    a, b = straight.drafter.trainable_state_dict(), resumed.drafter.trainable_state_dict()
+    assert all((a[k] - b[k]).abs().max() < 1e-5 for k in a)
+
+
 def test_top_vocab_keeps_most_frequent():
     from moaspec.training.train import Example
 

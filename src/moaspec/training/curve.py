@@ -40,6 +40,8 @@ def run(cfg: TrainConfig, points: list[int]) -> dict:
         if budget in done:
             continue
         result = tr.run(until=step)
+        if result["stopped"]:  # ended by a signal, saved: the same command resumes
+            return {"points": rows, "stopped_at_step": result["steps"]}
         rows.append({"budget": budget, "tokens": tokens, "step": step, "val": tr.validate(),
                      "feature_extraction": result.get("feature_extraction"), "seconds": result["seconds"]})
         path.write_text(json.dumps({"model": cfg.model, "data": cfg.data, "kinds": cfg.kind,

@@ -21,6 +21,8 @@ import json
 import math
 import os
 import random
+import signal
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -184,6 +186,29 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr_min + 0.5 * (cfg.lr - cfg.lr_min) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT during training ask for a stop after the current step, saved, so that a job
+    spread over several sessions loses nothing when it is ended (a second signal still kills it)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested:
+            self.restore()
+            signal.raise_signal(signum)
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
 
 
 class Trainer:
@@ -368,7 +393,8 @@ class Trainer:
         labels = ", ".join(s.label for s in self.students)
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {labels}", unit="step")
         t0, tokens, target_s = time.time(), 0, 0.0
-        while self.step < min(cfg.steps, until or cfg.steps):
+        stop = _StopRequest()
+        while self.step < min(cfg.steps, until or cfg.steps) and not stop.requested:
             for st in self.students:
                 for g in st.opt.param_groups:
                     g["lr"] = lr_at(self.step, cfg)
@@ -415,13 +441,18 @@ class Trainer:
                 for label, r in v.items():
                     bar.write(f"step {self.step} {label}: val loss {r['loss']:.4f} top-1 by depth "
                               f"{r['top1_by_depth']}")
-            if self.step % cfg.save_every == 0 or self.step in (cfg.steps, until):
+            if self.step % cfg.save_every == 0 or self.step in (cfg.steps, until) or stop.requested:
                 if self.rank == 0:
                     self.save_state()
                 _barrier(self.world)
+        stop.restore()
         bar.close()
+        if stop.requested:
+            bar.write(f"stopped by signal after step {self.step}, saved to {self.out}: "
+                      "rerun the same command to resume")
         final = next((h["val"] for h in reversed(self.history) if "val" in h), {})
-        result = {"steps": self.step, "train_tokens": tokens, "seconds": round(time.time() - t0, 1),
+        result = {"steps": self.step, "stopped": stop.requested, "train_tokens": tokens,
+                  "seconds": round(time.time() - t0, 1),
                   "target_seconds": round(target_s, 1), "distinct_tokens": self.train_tokens, "drafters": {}}
         if "train" in self.caches:
             c = self.caches["train"]
