@@ -253,12 +253,16 @@ def test_traffic_counts_bytes_each_way_and_connections(echo):
 
 
 def test_close_leaves_no_thread_and_refuses(echo):
-    before = threading.active_count()
+    # only the threads this proxy started count: other tests' threads may start or end meanwhile
+    before = set(threading.enumerate())
     proxy = ShapingProxy(echo, "4g")
     with proxy, connect(proxy) as sock:
         round_trip(sock)
         port = proxy.port
-    assert threading.active_count() == before
+        ours = [t for t in threading.enumerate() if t not in before and t.name.startswith("shaping-proxy")]
+        assert ours
+    assert not any(t.is_alive() for t in ours)
+    assert not [t for t in threading.enumerate() if t not in before and t.name.startswith(("shaping-proxy", "asyncio"))]
     assert proxy.mode == "closed"
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5)
