@@ -81,12 +81,14 @@ def main() -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--kind", default="moa,eagle")
+    p.add_argument("--tli", default="0", help="MoA Target Layer Inference N, e.g. 0,1: one MoA per N")
     p.add_argument("--points", default="60000,120000,250000,500000")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--val-sequences", type=int, default=64)
     a = p.parse_args()
-    cfg = TrainConfig(model=a.model, data=a.data, out=a.out, kind=a.kind, batch_size=a.batch_size, lr=a.lr,
+    cfg = TrainConfig(model=a.model, data=a.data, out=a.out, kind=a.kind, tli_layers=a.tli,
+                      batch_size=a.batch_size, lr=a.lr,
                       val_sequences=a.val_sequences)
     print(json.dumps(run(cfg, [int(x) for x in a.points.split(",")]), indent=1))
 
