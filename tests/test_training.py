@@ -124,6 +124,9 @@ def test_training_lowers_validation_loss(tmp_path):
         meta = json.loads((tmp_path / "run" / label / "training.json").read_text())
         assert meta["steps"] == 60 and meta["trained_with"] == list(before)
     assert set(result["drafters"]) == set(before)
+    ablated = tr.validate(context_mean=True)  # MoA's context vectors replaced by their mean: MoA only
+    assert list(ablated) == ["moa", "moa-n1"]
+    assert all(ablated[k]["loss"] != after[k]["loss"] for k in ablated)
 
     shipped = export(tmp_path / "run", tmp_path / "ship")  # fp16 copies that load into the same target
     assert [p.name for p in shipped] == list(before)

@@ -43,6 +43,7 @@ def run(cfg: TrainConfig, points: list[int]) -> dict:
         if result["stopped"]:  # ended by a signal, saved: the same command resumes
             return {"points": rows, "stopped_at_step": result["steps"]}
         rows.append({"budget": budget, "tokens": tokens, "step": step, "val": tr.validate(),
+                     "val_context_mean": tr.validate(context_mean=True),
                      "feature_extraction": result.get("feature_extraction"), "seconds": result["seconds"]})
         path.write_text(json.dumps({"model": cfg.model, "data": cfg.data, "kinds": cfg.kind,
                                     "batch_size": cfg.batch_size, "lr": cfg.lr, "points": rows}, indent=1))

@@ -300,10 +300,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ loss
     def sequence_loss(self, st: Student, ex: Example, tp: dict, every: int,
-                      curriculum: bool, answer_only: bool = False) -> tuple[torch.Tensor, dict]:
+                      curriculum: bool, answer_only: bool = False, context_mean: bool = False
+                      ) -> tuple[torch.Tensor, dict]:
         """Loss of one sequence for one drafter and what validation reads: top-1 agreement with the
         target's greedy token per loss row, and the draft depth of each row (steps ahead of the last
-        verified token)."""
+        verified token). `context_mean` (an ablation): MoA's every context vector replaced by their
+        mean over the sequence, which shows how much Cross-Attention uses the per-token context."""
         drafter = st.drafter
         T = len(ex.ids)
         dev = self.target.device
@@ -317,6 +319,8 @@ class Trainer:
         L = self.target.cfg.num_layers
         if st.kind == "moa":
             ctx = drafter.encoder(tp["k"][None], tp["v"][None])
+            if context_mean:
+                ctx = ctx.mean(1, keepdim=True).expand_as(ctx)
             tail = (tp["K"][L - st.tli:][None], tp["V"][L - st.tli:][None]) if st.tli else None
             sa_mask = moa.sa_curriculum_mask(start[None])[0] if curriculum else None
             out = drafter.forward_train(tokens, ctx, start[None], tail, sa_mask)
@@ -473,23 +477,26 @@ class Trainer:
         return result
 
     @torch.no_grad()
-    def validate(self, every: int = 7) -> dict[str, dict]:
+    def validate(self, every: int = 7, context_mean: bool = False) -> dict[str, dict]:
         """Per drafter: validation loss and top-1 agreement with the target's greedy token at draft
         depth 1..6 (depth = steps ahead of the last verified context), with a fixed `every`, over the
-        answer rows of the target's own answers."""
-        for st in self.students:
+        answer rows of the target's own answers (`context_mean`: MoA drafters only, the ablation of
+        `sequence_loss`)."""
+        students = [st for st in self.students if st.kind == "moa" or not context_mean]
+        for st in students:
             st.drafter.eval()
-        res = {st.label: {"loss": [], "agree": [], "depth": []} for st in self.students}
+        res = {st.label: {"loss": [], "agree": [], "depth": []} for st in students}
         for ex in self.val:
             tp = self.target_pass(ex, "val")
-            for st in self.students:
-                loss, s = self.sequence_loss(st, ex, tp, every, curriculum=False, answer_only=True)
+            for st in students:
+                loss, s = self.sequence_loss(st, ex, tp, every, curriculum=False, answer_only=True,
+                                             context_mean=context_mean)
                 r = res[st.label]
                 r["loss"].append(loss.item())
                 r["agree"].append(s["agree"])
                 r["depth"].append(s["depth"])
         out = {}
-        for st in self.students:
+        for st in students:
             st.drafter.train()
             r = res[st.label]
             agree_t, depth_t = torch.cat(r["agree"]), torch.cat(r["depth"])
