@@ -142,6 +142,8 @@ BAD_INPUT = {
     "chat huge tree": ["chat", "--total-tokens", "100000"],
     "adaptive tree with top-k": ["generate", "--prompt", "hi", "--adaptive", "--topk", "2"],
     "chat bad sampling": ["chat", "--top-p", "2"],
+    "min prob 1": ["generate", "--prompt", "hi", "--min-prob", "1"],
+    "min prob nan": ["chat", "--min-prob", "nan"],
     # bytes that are not UTF-8 reach argv as surrogate escapes (b"\xff" -> "\udcff")
     "prompt not UTF-8": ["generate", "--prompt", "\udcff\udcfe"],
     "system not UTF-8": ["generate", "--prompt", "hi", "--system", "caf\udce9"],
@@ -181,6 +183,13 @@ def test_adaptive_tree_flag():
     assert cli._tree_config(args) == TreeConfig(5, 1, 5, adaptive=True)
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi"])
     assert cli._tree_config(args) == "auto"
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--min-prob", "0.2"])
+    assert cli._tree_config(args) == "auto@0.2"
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--adaptive", "--min-prob", "0.2"])
+    assert cli._tree_config(args) == TreeConfig(8, 1, 8, adaptive=True, min_prob=0.2)
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--depth", "3", "--topk", "1",
+                                          "--min-prob", "0.1"])
+    assert cli._tree_config(args) == TreeConfig(3, 1, 6, min_prob=0.1)
 
 
 def test_prompt_longer_than_context(capsys):

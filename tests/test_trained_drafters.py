@@ -43,6 +43,27 @@ def test_shipped_drafter_is_lossless_and_useful(trained, plain_greedy):
     assert sum(taus) / len(taus) > 1.2, (kind, taus)
 
 
+def test_confidence_stop_is_lossless_and_drafts_less(plain_greedy):
+    """TreeConfig.min_prob: MoA's chain stops where its own path probability falls below it, so fewer
+    draft tokens reach verification, each likelier to be accepted, and the output is still plain greedy's."""
+    from moaspec.pipeline import SpecDecoder
+
+    dec = SpecDecoder(SMOL, drafter="moa", tree=TreeConfig(4, 1, 4))
+    stats = {}
+    for min_prob in (0.0, 0.3):
+        dec.set_drafter("moa", tree=TreeConfig(4, 1, 4, min_prob=min_prob))
+        drafted = accepted = 0
+        for i, prompt in enumerate(PROMPTS[:4]):
+            prompt_ids, plain = plain_greedy(prompt, 48)
+            g = dec.generate(prompt_ids, GenerationConfig(max_new_tokens=48))
+            assert_same_or_near_tie(dec.target, prompt_ids, plain, g.token_ids, f"min_prob {min_prob} prompt {i}")
+            drafted += g.metrics.drafted_tokens
+            accepted += sum(g.metrics.accept_lengths) - g.metrics.target_calls
+        stats[min_prob] = drafted, accepted / drafted
+    assert stats[0.3][0] < 0.8 * stats[0.0][0], stats
+    assert stats[0.3][1] > stats[0.0][1], stats
+
+
 def test_shipped_drafter_samples(trained, monkeypatch):
     """At T > 0 the drafts are sampled (every drafted tree states its q), unless switched off."""
     kind, dec = trained

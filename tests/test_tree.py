@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -90,6 +91,8 @@ BAD_SHAPES = {
     "total below depth": ({"depth": 5, "total_tokens": 4}, "total_tokens >= 5"),
     "float depth": ({"depth": 2.5}, "depth"), "bool topk": ({"topk": True}, "topk"),
     "huge": ({"depth": 50, "topk": 1000, "total_tokens": 100000}, "depth"),
+    "min_prob 1": ({"min_prob": 1.0}, "min_prob"), "min_prob -0.1": ({"min_prob": -0.1}, "min_prob"),
+    "min_prob nan": ({"min_prob": float("nan")}, "min_prob"), "min_prob str": ({"min_prob": "0.2"}, "min_prob"),
 }
 
 
@@ -196,6 +199,26 @@ def test_grow_tree_shape_and_selection(cfg):
     best = sorted(cands, key=lambda p: -cands[p])[: cfg.total_tokens]
     assert sorted(paths.values()) == sorted(best)
     assert len(tree) - 1 == min(cfg.total_tokens, len(cands))
+
+
+@pytest.mark.parametrize("min_prob", [0.5, 0.2, 0.05, 0.01, 1e-4])
+@pytest.mark.parametrize("topk", [1, 3])
+def test_grow_tree_stops_below_min_prob(min_prob, topk):
+    """EAGLE-2's confidence stop: a draft step runs only while the likeliest frontier path is at or above
+    min_prob; what was drafted before the stop is the tree without a stop, cut at that depth."""
+    cfg = TreeConfig(depth=6, topk=topk, total_tokens=100)  # every candidate kept: the cut is a prefix
+    full = grow_tree(3, _logprobs(()), SyntheticDrafter(), cfg)
+    drafter = SyntheticDrafter()
+    cut = grow_tree(3, _logprobs(()), drafter, replace(cfg, min_prob=min_prob))
+    steps = len(drafter.calls) + 1  # the root's distribution is the first step
+    for d in range(1, steps):  # every expansion was made from a frontier path at or above min_prob
+        assert max(s for s, dep in zip(full.scores, full.depths, strict=True) if dep == d) >= math.log(min_prob)
+    if steps < cfg.depth:  # and the stop came where the best path fell below it
+        assert max(s for s, dep in zip(full.scores, full.depths, strict=True) if dep == steps) < math.log(min_prob)
+    assert max(cut.depths) == steps
+    kept = {drafter.path(cut, n) for n in range(1, len(cut))}
+    assert kept == {drafter.path(full, n) for n in range(1, len(full)) if full.depths[n] <= steps}
+    assert TreeConfig.parse(f"6,{topk},100@{min_prob}") == replace(cfg, min_prob=min_prob)
 
 
 def test_grow_tree_vocab_map():
@@ -447,3 +470,8 @@ def test_adaptive_tree_config():
         TreeConfig(4, 2, 4, adaptive=True)
     with pytest.raises(UserError, match="adaptive"):
         TreeConfig.parse("adaptive:x")
+    stop = TreeConfig.parse("adaptive:5@0.25")
+    assert (stop.depth, stop.adaptive, stop.min_prob) == (5, True, 0.25) and "0.25" in stop.label()
+    for bad in ("adaptive@1", "adaptive@x", "3,1,3@-0.5", "3,1,3@"):
+        with pytest.raises(UserError, match="min_prob"):
+            TreeConfig.parse(bad)

@@ -231,6 +231,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(default {_TREE_DEFAULTS['total_tokens']})")
     t.add_argument("--adaptive", action="store_true", help="draft a chain whose length (up to --depth, default "
                    f"{ADAPTIVE_MAX_DEPTH}) is chosen per call from live acceptance and this machine's costs")
+    t.add_argument("--min-prob", type=float, default=None, metavar="P",
+                   help="stop drafting once the likeliest draft path's probability (the drafter's own) is below P, "
+                        "0 <= P < 1 (EAGLE-2's confidence stop; default 0: off)")
 
 
 def _add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -276,13 +279,15 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
 
 def _tree_config(args: argparse.Namespace) -> TreeConfig | str:
     """A fixed shape when any of --depth/--topk/--total-tokens is given, else "auto"."""
-    given = {k: v for k in _TREE_DEFAULTS if (v := getattr(args, k)) is not None}
+    given = {k: v for k in _TREE_DEFAULTS if k != "min_prob" and (v := getattr(args, k)) is not None}
+    min_prob = TreeConfig(min_prob=args.min_prob or 0.0).min_prob  # its range checked before a model loads
     if args.adaptive:
         if set(given) - {"depth"}:
             raise UserError("--adaptive drafts a chain: give at most --depth (its longest length)")
-        return TreeConfig.parse(f"adaptive:{given.get('depth', ADAPTIVE_MAX_DEPTH)}")
+        return TreeConfig.parse(f"adaptive:{given.get('depth', ADAPTIVE_MAX_DEPTH)}@{min_prob}")
     if not given:
-        return "auto"
+        return f"auto@{min_prob}" if min_prob else "auto"
+    given["min_prob"] = min_prob
     shape = {**_TREE_DEFAULTS, **given}
     if "total_tokens" not in given:  # --depth alone: enough tokens to reach it
         shape["total_tokens"] = max(shape["total_tokens"], shape["depth"])

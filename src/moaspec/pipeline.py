@@ -11,14 +11,14 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from moaspec.decoding.engine import Engine, GenerationConfig, Metrics
 from moaspec.decoding.target import LocalTarget, TargetSide
-from moaspec.decoding.tree import AdaptiveChain, TreeConfig, tree_for_costs
+from moaspec.decoding.tree import AdaptiveChain, TreeConfig, split_min_prob, tree_for_costs
 from moaspec.drafters import build_drafter
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
@@ -123,18 +123,26 @@ class SpecDecoder:
                     tree: TreeConfig | str | None = None, hybrid_model: str = "moa",
                     hybrid_policy: str = "switch") -> None:
         """Swap the drafter (and tree shape: "auto" = calibrated for this machine, "adaptive[:depth]" = a
-        chain whose length follows live acceptance) on the loaded target: benchmarks compare drafters on
-        one copy of the target's weights. `hybrid_model`/`hybrid_policy`: the parts of `hybrid`."""
-        if isinstance(tree, str) and tree != "auto":
-            tree = TreeConfig.parse(tree)
-            if not tree.adaptive:
-                raise UserError(f"tree must be 'auto', 'adaptive[:depth]' or a TreeConfig, got {tree!r}")
+        chain whose length follows live acceptance, either with "@P" for `TreeConfig.min_prob`) on the
+        loaded target: benchmarks compare drafters on one copy of the target's weights.
+        `hybrid_model`/`hybrid_policy`: the parts of `hybrid`."""
+        min_prob = None
+        if isinstance(tree, str):
+            shape, min_prob = split_min_prob(tree)
+            if shape == "auto":
+                tree = "auto"
+            else:
+                tree = TreeConfig.parse(tree)
+                if not tree.adaptive:
+                    raise UserError(f"tree must be 'auto', 'adaptive[:depth]' or a TreeConfig, got {tree!r}")
         self.drafter = build_drafter(drafter, self.model_name, self.target, draft_model=draft_model,
                                      drafter_path=drafter_path, hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
         costs = None
         if tree == "auto":
             costs = self.pass_costs() if self.drafter is not None else None
             tree = tree_for_costs(costs) if costs is not None else None
+            if tree is not None and min_prob is not None:
+                tree = replace(tree, min_prob=min_prob)
         adapt = None
         if tree is not None and tree.adaptive:
             adapt = AdaptiveChain(costs if costs is not None else self.pass_costs(), tree.depth)

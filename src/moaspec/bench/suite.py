@@ -33,7 +33,7 @@ from moaspec.bench.answers import answer_path, read_answers
 from moaspec.bench.tasks import Question, load_tasks
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.tree import PAPER_GPU_TREE, TreeConfig
+from moaspec.decoding.tree import PAPER_GPU_TREE, TreeConfig, split_min_prob
 from moaspec.drafters import DEFAULT_DRAFT_MODEL, drafter_kind, shipped_checkpoint
 from moaspec.errors import UserError
 from moaspec.models.store import MODELS, gguf_file
@@ -180,7 +180,9 @@ class Bench:
         self._ggufs: dict[str, Path] = {}
 
     def _tree(self) -> TreeConfig | str:
-        return "auto" if self.cfg.tree in ("auto", "sweep") else TreeConfig.parse(self.cfg.tree)
+        if self.cfg.tree == "sweep":
+            return "auto"
+        return self.cfg.tree if split_min_prob(self.cfg.tree)[0] == "auto" else TreeConfig.parse(self.cfg.tree)
 
     # ---------------------------------------------------------------- one answer
     def answer(self, method: Method, q: Question, temperature: float, max_new_tokens: int | None = None,

@@ -54,6 +54,7 @@ class Metrics:
     prompt_tokens: int = 0
     new_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per target call
+    drafted_tokens: int = 0  # draft nodes sent to verification
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -185,6 +186,7 @@ class Engine:
             m.draft_s += draft_s
             m.verify_s += t3 - t2
             m.accept_lengths.append(len(v.accepted) + 1)
+            m.drafted_tokens += len(tree) - 1
             new = v.new_tokens
             root = v.bonus
 
@@ -276,7 +278,7 @@ class Engine:
         cfg = self.tree
         if self.adapt is not None:
             d = self.adapt.choose()
-            cfg = TreeConfig(d, 1, d)
+            cfg = replace(cfg, depth=d, total_tokens=d, adaptive=False)
         if room < cfg.total_tokens or room < cfg.depth:
             cfg = replace(cfg, depth=min(cfg.depth, room), total_tokens=min(cfg.total_tokens, room))
         return self.drafter.propose(root, cfg if sampling is None else cfg.sampled(sampling))

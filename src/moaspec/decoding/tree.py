@@ -8,6 +8,7 @@ target pass can score the whole tree with an ancestor mask and depth-based posit
 from __future__ import annotations
 
 import heapq
+import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -65,6 +66,9 @@ class TreeConfig:
     topk: int = 4
     total_tokens: int = 6
     adaptive: bool = False  # a chain whose length (up to `depth`) is chosen per call: `AdaptiveChain`
+    # EAGLE-2's confidence stop: no further draft step once the likeliest frontier path (by the
+    # drafter's own probabilities) is below this; the nodes already drafted are still verified
+    min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         for name, limit, flag in (("depth", MAX_DEPTH, "--depth"), ("topk", MAX_TOPK, "--topk"),
@@ -75,28 +79,49 @@ class TreeConfig:
         if self.total_tokens < self.depth:
             raise UserError(f"a tree of depth {self.depth} needs total_tokens >= {self.depth} (a chain of depth d "
                             f"is d draft tokens), got {self.total_tokens}; raise --total-tokens or lower --depth")
+        if isinstance(self.min_prob, bool) or not isinstance(self.min_prob, numbers.Real) or \
+                not 0.0 <= self.min_prob < 1.0:
+            raise UserError(f"min_prob (--min-prob) must be a number in [0, 1), got {self.min_prob!r}")
         if self.adaptive and (self.topk != 1 or self.total_tokens != self.depth):
             raise UserError(f"an adaptive tree is a chain: topk 1, total_tokens = depth; got {self}")
 
     @classmethod
     def parse(cls, text: str) -> TreeConfig:
-        """ "depth,topk,total" as written on command lines, or "adaptive[:max depth]"."""
+        """ "depth,topk,total" as written on command lines, or "adaptive[:max depth]"; either with
+        "@P" after it for `min_prob` P."""
+        shape, min_prob = split_min_prob(text)
+        min_prob = min_prob or 0.0
         try:
-            if text.startswith("adaptive"):
-                depth = int(text.partition(":")[2] or ADAPTIVE_MAX_DEPTH)
-                return cls(depth, 1, depth, adaptive=True)
-            return cls(*map(int, text.split(",")))
+            if shape.startswith("adaptive"):
+                depth = int(shape.partition(":")[2] or ADAPTIVE_MAX_DEPTH)
+                return cls(depth, 1, depth, adaptive=True, min_prob=min_prob)
+            return cls(*map(int, shape.split(",")), min_prob=min_prob)
         except (TypeError, ValueError):
-            raise UserError(f"a tree is written depth,topk,total (e.g. 3,1,3) or adaptive[:max depth]; "
-                            f"got {text!r}") from None
+            raise UserError(f"a tree is written depth,topk,total (e.g. 3,1,3) or adaptive[:max depth], "
+                            f"optionally with @min_prob (e.g. adaptive@0.2); got {text!r}") from None
 
     def label(self) -> str:
-        return f"adaptive chain <= {self.depth}" if self.adaptive else \
+        shape = f"adaptive chain <= {self.depth}" if self.adaptive else \
             f"d{self.depth}/k{self.topk}/t{self.total_tokens}"
+        return f"{shape}, stop below p {self.min_prob:g}" if self.min_prob else shape
 
     def sampled(self, sampling: DraftSampling) -> SampledTreeConfig:
         """This shape with sampled children."""
         return SampledTreeConfig(**{f.name: getattr(self, f.name) for f in fields(TreeConfig)}, sampling=sampling)
+
+
+def split_min_prob(text: str) -> tuple[str, float | None]:
+    """A tree written with "@P" (its `min_prob`): the shape before it and P (None when absent)."""
+    shape, at, prob = text.partition("@")
+    if not at:
+        return shape, None
+    try:
+        value = float(prob)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise UserError(f"the min_prob after @ in a tree must be a number in [0, 1), got {prob!r} in {text!r}")
+    return shape, value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,7 +332,10 @@ def grow_tree(
     k = min(cfg.topk, root_logprobs.shape[-1])
     top = root_logprobs.float().topk(k)
     frontier = add(torch.zeros(k, dtype=torch.long), top.indices, top.values)
+    floor = math.log(cfg.min_prob) if cfg.min_prob > 0 else -math.inf
     for _ in range(1, cfg.depth):
+        if max(scores[i] for i in frontier) < floor:
+            break
         lp = expand(Tree(list(tokens), list(parents), list(scores)), frontier).float()  # [f, V]
         base = torch.tensor([scores[i] for i in frontier])
         child = lp.topk(k, dim=-1)
