@@ -39,6 +39,7 @@ import torch
 
 from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters import TRAINED, drafter_kind, shipped_checkpoint
+from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.runtime import Transformer
 
 STEPS = 4  # a draft step is timed as (chain of 1 + STEPS tokens - chain of 1 token) / STEPS
@@ -353,7 +354,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--weights", default="fp16", choices=("fp32", "fp16"))
+    ap.add_argument("--weights", default="fp16", choices=WEIGHT_MODES)
     ap.add_argument("--drafters", default="moa,eagle",
                     help="checkpoint labels (moa, moa-n1, moa-n3, eagle, independent): shipped, or under --checkpoints")
     ap.add_argument("--checkpoints", default=None,
