@@ -54,6 +54,21 @@ def test_kernels_match_their_dequantised_weights(arch):
     assert float(out.stdout.split()[-1]) < 0.02
 
 
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    """Verification scores k rows in one call where plain decoding scores one: each kernel must give a
+    row the same bits whatever the row count (every tile size, and tiles after the first), or greedy
+    speculative decoding could differ from plain."""
+    k = quant.kernels()
+    torch.manual_seed(2)
+    w, x, b = torch.randn(40, 256), torch.randn(19, 256), torch.randn(40)
+    q, s = quant.quantize_int8(w)
+    p, sc, off = quant.quantize_int4(w, 32)
+    for name, f in (("int8", lambda x: k.linear_q8(x, q, s, b)), ("int4", lambda x: k.linear_q4(x, p, sc, off, 32))):
+        single = torch.cat([f(x[i:i + 1].contiguous()) for i in range(len(x))])
+        for rows in range(2, len(x) + 1):
+            assert torch.equal(f(x[:rows].contiguous()), single[:rows]), (name, rows)
+
+
 def test_quantisers_round_trip():
     torch.manual_seed(1)
     w = torch.randn(64, 256)

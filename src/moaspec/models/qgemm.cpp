@@ -252,7 +252,8 @@ torch::Tensor run(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias
   // Channels are split among threads in blocks; each weight row is read from memory once for all R
   // rows. For many rows (prefill) a block of channels meets each tile of rows while both sit in L1.
   constexpr int64_t NB = 16;
-  const int RT = R < 4 ? static_cast<int>(R < 2 ? 1 : 2) : (R < 8 ? 4 : 8);
+  // one tile for up to 8 rows (a verified chain or tree): a second tile would run over the weights again
+  const int RT = static_cast<int>(std::min<int64_t>(R, 8));
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
     float out[16];
     for (int64_t n0 = begin * NB; n0 < std::min(N, end * NB); n0 += NB) {
