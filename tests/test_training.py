@@ -186,6 +186,15 @@ def test_sigterm_stops_after_the_step_saved_and_resumes(tmp_path, monkeypatch):
     assert torch.load(tmp_path / "b" / "trainer.pt", weights_only=False)["step"] == 2
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
     resumed = Trainer(TrainConfig(out=str(tmp_path / "b"), **cfg))
+
+    def broken(step: int):
+        raise RuntimeError("a failure mid-training")
+
+    monkeypatch.setattr(resumed, "batch", broken)
+    with pytest.raises(RuntimeError, match="mid-training"):
+        resumed.run()
+    assert signal.getsignal(signal.SIGTERM) is before  # put back on the way out of an exception too
+    monkeypatch.setattr(resumed, "batch", Trainer.batch.__get__(resumed))
     assert not resumed.run()["stopped"]
     a, b = straight.drafter.trainable_state_dict(), resumed.drafter.trainable_state_dict()
     assert all((a[k] - b[k]).abs().max() < 1e-5 for k in a)

@@ -265,6 +265,22 @@ def test_grow_sampled_tree_shape(cfg):
     assert len(set(map(str, trees))) > 1
 
 
+@pytest.mark.parametrize("min_prob", [0.8, 0.5, 0.3, 0.005])
+def test_grow_sampled_tree_stops_below_min_prob(min_prob):
+    """The confidence stop with sampled children: no level is drawn below a best path under min_prob
+    (by q), and the levels before the stop are the same draws as without it (same seed)."""
+    cfg = TreeConfig(depth=6, topk=3, total_tokens=40)
+    for seed in range(5):
+        full = grow_tree(3, _logprobs(()), SyntheticDrafter(), _sampled(cfg, seed))
+        cut = grow_tree(3, _logprobs(()), SyntheticDrafter(), _sampled(replace(cfg, min_prob=min_prob), seed))
+        last = max(cut.depths)
+        assert cut.tokens == [t for t, d in zip(full.tokens, full.depths, strict=True) if d <= last]
+        if last < max(full.depths):
+            assert max(sc for sc, d in zip(cut.scores, cut.depths, strict=True) if d == last) < math.log(min_prob)
+        for d in range(1, last):
+            assert max(sc for sc, dd in zip(cut.scores, cut.depths, strict=True) if dd == d) >= math.log(min_prob)
+
+
 def test_grow_sampled_tree_draws_without_replacement_in_order():
     """Root children of a 2-child tree: the first ~ q, the second ~ q without the first, renormalised."""
     cfg, n = TreeConfig(depth=1, topk=2, total_tokens=2), 6000

@@ -31,7 +31,7 @@ from moaspec.threads import MAX_THREADS, set_threads
 EXIT_USAGE = 2
 EXIT_INTERRUPT = 130
 _THREADS_DEFAULT = os.environ.get("MOASPEC_THREADS", "auto")
-_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig) if f.name != "adaptive"}
+_TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig) if f.name not in ("adaptive", "min_prob")}
 
 
 class _UsageError(Exception):
@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperatures", default="0,1", help="comma-separated; T=0 answers are checked token-identical "
                    "to plain decoding")
     b.add_argument("--tree", default="auto", help="auto (calibrated to this machine), sweep (measure a grid, use the "
-                   "best per method), adaptive[:max depth] (chain length chosen per call) or depth,topk,total")
+                   "best per method), adaptive[:max depth] (chain length chosen per call) or depth,topk,total; "
+                   "all but sweep take @P for a confidence stop at path probability P (--min-prob)")
     b.add_argument("--checkpoints", metavar="DIR", help="folder of <method>/ drafter checkpoints (default: shipped)")
     b.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
     _add_threads_arg(b)
@@ -278,8 +279,9 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
 
 
 def _tree_config(args: argparse.Namespace) -> TreeConfig | str:
-    """A fixed shape when any of --depth/--topk/--total-tokens is given, else "auto"."""
-    given = {k: v for k in _TREE_DEFAULTS if k != "min_prob" and (v := getattr(args, k)) is not None}
+    """A fixed shape when any of --depth/--topk/--total-tokens is given, an adaptive chain with --adaptive,
+    else "auto"; with --min-prob P each carries the confidence stop ("auto@P" for auto)."""
+    given = {k: v for k in _TREE_DEFAULTS if (v := getattr(args, k)) is not None}
     min_prob = TreeConfig(min_prob=args.min_prob or 0.0).min_prob  # its range checked before a model loads
     if args.adaptive:
         if set(given) - {"depth"}:
@@ -627,8 +629,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                       vocab_ids=args.vocab, steps=args.steps, epochs=args.epochs, data_tokens=args.data_tokens,
                       feature_cache=not args.no_feature_cache, batch_size=args.batch_size, max_len=args.max_len,
                       lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device)
-    print(json.dumps(Trainer(cfg).run()))
-    return 0
+    result = Trainer(cfg).run()
+    print(json.dumps(result))
+    return EXIT_INTERRUPT if result["stopped"] else 0  # saved; the same command resumes
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -134,7 +134,8 @@ class SpecDecoder:
             else:
                 tree = TreeConfig.parse(tree)
                 if not tree.adaptive:
-                    raise UserError(f"tree must be 'auto', 'adaptive[:depth]' or a TreeConfig, got {tree!r}")
+                    raise UserError(f"tree must be 'auto', 'adaptive[:depth]' (either with @P) or a TreeConfig, "
+                                    f"got {tree!r}")
         self.drafter = build_drafter(drafter, self.model_name, self.target, draft_model=draft_model,
                                      drafter_path=drafter_path, hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
         costs = None

@@ -57,7 +57,8 @@ class BenchConfig:
     questions: int | None = None  # per task; None: the whole set
     max_new_tokens: int = 256
     temperatures: tuple[float, ...] = (0.0, 1.0)
-    tree: str = "auto"  # "auto" (calibrated), "sweep" (best measured per method) or "depth,topk,total"
+    tree: str = "auto"  # "auto" (calibrated), "sweep" (best measured per method) or "depth,topk,total";
+    # "auto", "adaptive[:depth]" and "depth,topk,total" take "@P" for TreeConfig.min_prob
     checkpoints: str | None = None  # folder of <method>/ checkpoints; default: those shipped for the model
     weights: str = "fp32"
     out: str = "bench-out"
@@ -150,6 +151,7 @@ class TurnResult:
     prefill_s: float = 0.0
     new_tokens: int = 0
     target_calls: int = 0  # forward passes of the target after prefill (0: not reported)
+    drafted_tokens: int = 0  # draft nodes sent to verification
 
     def __post_init__(self):
         if self.token_ids is not None:
@@ -212,7 +214,8 @@ class Bench:
         self.dec.engine = engine
         g = self.dec.generate(ids, gen)
         m = g.metrics
-        return TurnResult(g.text, g.token_ids, m.total_s, list(m.accept_lengths), m.draft_s, m.verify_s, m.prefill_s)
+        return TurnResult(g.text, g.token_ids, m.total_s, list(m.accept_lengths), m.draft_s, m.verify_s, m.prefill_s,
+                          drafted_tokens=m.drafted_tokens)
 
     def _llama_cpp(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
         """llama.cpp on the same rendered prompt (special tokens kept as text, which it parses back)."""
@@ -309,6 +312,7 @@ def answer_record(model: str, method: str, q: Question, turns: list[TurnResult],
             "token_ids": [t.token_ids for t in turns],
             "new_tokens": [t.new_tokens for t in turns],
             "target_calls": [t.target_calls for t in turns],
+            "drafted_tokens": [t.drafted_tokens for t in turns],
             "wall_time": [round(t.wall_time, 4) for t in turns],
             "prefill_time": [round(t.prefill_s, 4) for t in turns],
             "draft_time": [round(t.draft_s, 4) for t in turns],

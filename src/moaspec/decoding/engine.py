@@ -85,6 +85,7 @@ class Metrics:
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_calls": self.target_calls,
+            "drafted_tokens": self.drafted_tokens,
             "tau": round(self.tau, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "prefill_s": round(self.prefill_s, 4),
@@ -278,7 +279,7 @@ class Engine:
         cfg = self.tree
         if self.adapt is not None:
             d = self.adapt.choose()
-            cfg = replace(cfg, depth=d, total_tokens=d, adaptive=False)
+            cfg = replace(cfg, depth=d, topk=1, total_tokens=d, adaptive=False)
         if room < cfg.total_tokens or room < cfg.depth:
             cfg = replace(cfg, depth=min(cfg.depth, room), total_tokens=min(cfg.total_tokens, room))
         return self.drafter.propose(root, cfg if sampling is None else cfg.sampled(sampling))

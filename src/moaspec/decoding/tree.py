@@ -67,7 +67,8 @@ class TreeConfig:
     total_tokens: int = 6
     adaptive: bool = False  # a chain whose length (up to `depth`) is chosen per call: `AdaptiveChain`
     # EAGLE-2's confidence stop: no further draft step once the likeliest frontier path (by the
-    # drafter's own probabilities) is below this; the nodes already drafted are still verified
+    # drafter's own probabilities; sampled trees: by q) is below this; the nodes already drafted are
+    # still verified. Model drafters and the suffix drafter; prompt lookup has no probabilities.
     min_prob: float = 0.0
 
     def __post_init__(self) -> None:
@@ -314,8 +315,9 @@ def grow_tree(
 
     Step 1 takes the top-k children of the root; each further step expands the k frontier nodes with
     top-k children each, scores them by cumulative log-prob and keeps the best k as the new frontier.
-    All candidates are then reranked and the best `total_tokens` kept. `vocab` maps the drafter's
-    (possibly trimmed) vocabulary indices to target token ids.
+    All candidates are then reranked and the best `total_tokens` kept. No step is taken once the best
+    frontier path's probability is below `cfg.min_prob`. `vocab` maps the drafter's (possibly trimmed)
+    vocabulary indices to target token ids.
     """
     tokens, parents, scores = [root], [-1], [0.0]
     if isinstance(cfg, SampledTreeConfig):
@@ -412,13 +414,17 @@ def grow_sampled_tree(
     probability), and each level fixes its counts before drawing: the frontier is the best k nodes of
     the level above by cumulative log q, and `_children_per_node` shares the rest of the budget of
     `total_tokens` from their q alone. Children are listed in the order they were drawn (Gumbel top-n).
+    `min_prob` compares the best frontier path's q (sharpened, top-m) with the floor.
     """
     s = cfg.sampling
     g = torch.Generator().manual_seed(s.seed)
     tokens, parents, scores, dists = [root], [-1], [0.0], {}
     level_nodes, budget = [0], cfg.total_tokens
+    floor = math.log(cfg.min_prob) if cfg.min_prob > 0 else -math.inf
     for level in range(cfg.depth):
         frontier = sorted(level_nodes, key=lambda i: -scores[i])[: cfg.topk]
+        if level and scores[frontier[0]] < floor:  # decided from drawn nodes only: the draws stay exact
+            break
         logprobs = root_logprobs[None] if level == 0 else expand(Tree(list(tokens), list(parents), list(scores)),
                                                                  frontier)
         ids, q = draft_dist(logprobs, s)

@@ -351,6 +351,7 @@ class MoADrafter(TargetBoundDrafter):
         tail_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         sa_mask: torch.Tensor | None = None,
         compute_logits: bool = True,
+        ca_visible: torch.Tensor | None = None,
     ) -> TrainOut:
         """One pass over whole sequences with the inference information limit built into the masks.
 
@@ -358,7 +359,8 @@ class MoADrafter(TargetBoundDrafter):
         of the target's K/V of the same T slots; start_idx [B, T] from `verification_starts` (CA row i
         reads contexts j <= start_i); tail_kv: the target's K, V of its last N layers, each
         [B, N, Hkv, T, d] (required iff N > 0); sa_mask: bool [T, T] or [B, T, T] for SA (default
-        causal; `sa_curriculum_mask(start_idx)` for the curriculum). Row i's outputs predict x_{i+1}.
+        causal; `sa_curriculum_mask(start_idx)` for the curriculum); ca_visible: bool [B, T, T], the
+        contexts each CA row reads, if not `ca_mask(start_idx)` (ablations). Row i's outputs predict x_{i+1}.
         """
         self._require_target()
         B, T = tokens.shape
@@ -375,7 +377,8 @@ class MoADrafter(TargetBoundDrafter):
         x = self.sa(x, self.sa_cos[positions], self.sa_sin[positions], sa_mask)
         ca_k, ca_v = self.ca.context_kv(ctx_vectors, self.ca_cos[positions], self.ca_sin[positions])
         tli_kv = [dict(prefix=(tail_kv[0][:, n], tail_kv[1][:, n])) for n in range(len(self.tli))] if tail_kv else []
-        hidden, final = self._after_sa(x, positions, ca_k, ca_v, ca_mask(start_idx), tli_kv,
+        hidden, final = self._after_sa(x, positions, ca_k, ca_v,
+                                       ca_mask(start_idx) if ca_visible is None else ca_visible, tli_kv,
                                        tli_mask(start_idx) if self.tli else None)
         return TrainOut(hidden, final, self.logits(final) if compute_logits else None)
 

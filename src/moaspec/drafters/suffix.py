@@ -276,9 +276,10 @@ class SuffixDrafter:
     def draft(self, root: int, cfg: TreeConfig) -> SuffixDraft:
         """The better-scoring draft of the two indexes for the text + `root` (the current text wins ties)."""
         here = self.local.follow([(n, 0) for n in self.active[1:]], root)
-        d = best_draft(here, cfg, self.spec_factor, self.min_prob)
+        floor = max(self.min_prob, cfg.min_prob)
+        d = best_draft(here, cfg, self.spec_factor, floor)
         if self.outputs:
-            h = best_draft(self.history.follow(self.recalled, root), cfg, self.spec_factor, self.min_prob)
+            h = best_draft(self.history.follow(self.recalled, root), cfg, self.spec_factor, floor)
             if h.score > d.score:
                 d = h
         return d

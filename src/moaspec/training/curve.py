@@ -40,13 +40,14 @@ def run(cfg: TrainConfig, points: list[int]) -> dict:
         if budget in done:
             continue
         result = tr.run(until=step)
-        if result["stopped"]:  # ended by a signal, saved: the same command resumes
+        if result["signalled"]:  # ended by a signal, saved: the same command resumes
             return {"points": rows, "stopped_at_step": result["steps"]}
         rows.append({"budget": budget, "tokens": tokens, "step": step, "val": tr.validate(),
                      "val_context_mean": tr.validate(context_mean=True),
                      "feature_extraction": result.get("feature_extraction"), "seconds": result["seconds"]})
         path.write_text(json.dumps({"model": cfg.model, "data": cfg.data, "kinds": cfg.kind,
-                                    "batch_size": cfg.batch_size, "lr": cfg.lr, "points": rows}, indent=1))
+                                    "tli_layers": cfg.tli_layers, "batch_size": cfg.batch_size, "lr": cfg.lr,
+                                    "points": rows}, indent=1))
     plot(rows, out / "curve.png", cfg.model)
     return {"points": rows}
 
@@ -76,7 +77,7 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
@@ -91,8 +92,10 @@ def main() -> None:
     cfg = TrainConfig(model=a.model, data=a.data, out=a.out, kind=a.kind, tli_layers=a.tli,
                       batch_size=a.batch_size, lr=a.lr,
                       val_sequences=a.val_sequences)
-    print(json.dumps(run(cfg, [int(x) for x in a.points.split(",")]), indent=1))
+    result = run(cfg, [int(x) for x in a.points.split(",")])
+    print(json.dumps(result, indent=1))
+    return 130 if "stopped_at_step" in result else 0  # like an interrupted command: `&&` does not go on
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -197,7 +197,8 @@ class _StopRequest:
         self._old: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # e.g. a background job started by a script
+                    self._old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested:
@@ -207,7 +208,7 @@ class _StopRequest:
 
     def restore(self) -> None:
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            signal.signal(sig, signal.SIG_DFL if old is None else old)  # None: not set from Python
         self._old = {}
 
 
@@ -304,8 +305,9 @@ class Trainer:
                       ) -> tuple[torch.Tensor, dict]:
         """Loss of one sequence for one drafter and what validation reads: top-1 agreement with the
         target's greedy token per loss row, and the draft depth of each row (steps ahead of the last
-        verified token). `context_mean` (an ablation): MoA's every context vector replaced by their
-        mean over the sequence, which shows how much Cross-Attention uses the per-token context."""
+        verified token). `context_mean` (an ablation): each MoA Cross-Attention row reads one vector,
+        the mean of the contexts it may read, which shows how much it uses the per-token context (the
+        TLI layers of N >= 1 still read the target's own K/V)."""
         drafter = st.drafter
         T = len(ex.ids)
         dev = self.target.device
@@ -319,11 +321,13 @@ class Trainer:
         L = self.target.cfg.num_layers
         if st.kind == "moa":
             ctx = drafter.encoder(tp["k"][None], tp["v"][None])
-            if context_mean:
-                ctx = ctx.mean(1, keepdim=True).expand_as(ctx)
+            visible = None
+            if context_mean:  # row i reads one vector: the mean of the contexts it may read (j <= start_i)
+                ctx = ctx.cumsum(1) / torch.arange(1, T + 1, device=dev)[None, :, None]
+                visible = (rows[None, None, :] == start[None, :, None])
             tail = (tp["K"][L - st.tli:][None], tp["V"][L - st.tli:][None]) if st.tli else None
             sa_mask = moa.sa_curriculum_mask(start[None])[0] if curriculum else None
-            out = drafter.forward_train(tokens, ctx, start[None], tail, sa_mask)
+            out = drafter.forward_train(tokens, ctx, start[None], tail, sa_mask, ca_visible=visible)
             hidden, final, logits = out.hidden[0], out.final[0], out.logits[0]
             depth = rows - start
         elif st.kind == "eagle":
@@ -372,6 +376,15 @@ class Trainer:
         return pred[0], logits[0], depth
 
     # ------------------------------------------------------------------ loop
+    def stop_requested(self, stop: _StopRequest) -> bool:
+        """Whether any process was asked to stop: all of them end after the same step (torchrun signals
+        each worker, not necessarily within the same step)."""
+        if self.world == 1:
+            return stop.requested
+        flag = torch.tensor([float(stop.requested)], device=self.target.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
     def all_reduce(self, values: dict[str, float]) -> dict[str, float]:
         t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.target.device)
         torch.distributed.all_reduce(t)
@@ -398,64 +411,71 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {labels}", unit="step")
         t0, tokens, target_s = time.time(), 0, 0.0
         stop = _StopRequest()
-        while self.step < min(cfg.steps, until or cfg.steps) and not stop.requested:
-            for st in self.students:
-                for g in st.opt.param_groups:
-                    g["lr"] = lr_at(self.step, cfg)
-                st.opt.zero_grad(set_to_none=True)
-            p_curriculum = max(0.0, 1.0 - self.step / (cfg.steps / 2))
-            losses = {s.label: 0.0 for s in self.students}
-            for k, ex in enumerate(self.batch(self.step)):
-                every = self.rng.randint(cfg.every_min, cfg.every_max)
-                curriculum = self.rng.random() < p_curriculum
-                if k % self.world != self.rank:  # data parallel: each process takes its share of the batch
-                    continue
-                t1 = time.time()
-                tp = self.target_pass(ex)
-                target_s += time.time() - t1
+        try:
+            while self.step < min(cfg.steps, until or cfg.steps):
+                for st in self.students:
+                    for g in st.opt.param_groups:
+                        g["lr"] = lr_at(self.step, cfg)
+                    st.opt.zero_grad(set_to_none=True)
+                p_curriculum = max(0.0, 1.0 - self.step / (cfg.steps / 2))
+                losses = {s.label: 0.0 for s in self.students}
+                for k, ex in enumerate(self.batch(self.step)):
+                    every = self.rng.randint(cfg.every_min, cfg.every_max)
+                    curriculum = self.rng.random() < p_curriculum
+                    if k % self.world != self.rank:  # data parallel: each process takes its share of the batch
+                        continue
+                    t1 = time.time()
+                    tp = self.target_pass(ex)
+                    target_s += time.time() - t1
+                    for st in self.students:
+                        t1 = time.time()
+                        with torch.autocast("cuda", torch.bfloat16, enabled=self.target.device.type == "cuda"):
+                            loss, s = self.sequence_loss(st, ex, tp, every, curriculum)
+                        (loss / cfg.batch_size).backward()
+                        st.seconds += time.time() - t1
+                        losses[st.label] += loss.item() / cfg.batch_size
+                    tokens += s["tokens"]
+                if self.world > 1:
+                    losses = self.all_reduce(losses)
                 for st in self.students:
                     t1 = time.time()
-                    with torch.autocast("cuda", torch.bfloat16, enabled=self.target.device.type == "cuda"):
-                        loss, s = self.sequence_loss(st, ex, tp, every, curriculum)
-                    (loss / cfg.batch_size).backward()
+                    if self.world > 1:  # the gradients of the whole batch, as one process would have them
+                        for p in st.drafter.parameters():
+                            if p.requires_grad:
+                                if p.grad is None:
+                                    p.grad = torch.zeros_like(p)
+                                torch.distributed.all_reduce(p.grad)
+                    torch.nn.utils.clip_grad_norm_([p for p in st.drafter.parameters() if p.requires_grad], cfg.clip)
+                    st.opt.step()
                     st.seconds += time.time() - t1
-                    losses[st.label] += loss.item() / cfg.batch_size
-                tokens += s["tokens"]
-            if self.world > 1:
-                losses = self.all_reduce(losses)
-            for st in self.students:
-                t1 = time.time()
-                if self.world > 1:  # the gradients of the whole batch, as one process would have them
-                    for p in st.drafter.parameters():
-                        if p.requires_grad:
-                            if p.grad is None:
-                                p.grad = torch.zeros_like(p)
-                            torch.distributed.all_reduce(p.grad)
-                torch.nn.utils.clip_grad_norm_([p for p in st.drafter.parameters() if p.requires_grad], cfg.clip)
-                st.opt.step()
-                st.seconds += time.time() - t1
-            self.step += 1
-            bar.update(1)
-            bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses.values()),
-                            tok_s=f"{tokens / (time.time() - t0):.0f}")
-            self.history.append({"step": self.step, "loss": losses, "lr": lr_at(self.step - 1, cfg)})
-            if (self.step % cfg.val_every == 0 or self.step == cfg.steps) and self.rank == 0:
-                v = self.validate()
-                self.history[-1]["val"] = v
-                for label, r in v.items():
-                    bar.write(f"step {self.step} {label}: val loss {r['loss']:.4f} top-1 by depth "
-                              f"{r['top1_by_depth']}")
-            if self.step % cfg.save_every == 0 or self.step in (cfg.steps, until) or stop.requested:
-                if self.rank == 0:
-                    self.save_state()
-                _barrier(self.world)
-        stop.restore()
+                self.step += 1
+                bar.update(1)
+                bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses.values()),
+                                tok_s=f"{tokens / (time.time() - t0):.0f}")
+                self.history.append({"step": self.step, "loss": losses, "lr": lr_at(self.step - 1, cfg)})
+                if (self.step % cfg.val_every == 0 or self.step == cfg.steps) and self.rank == 0:
+                    v = self.validate()
+                    self.history[-1]["val"] = v
+                    for label, r in v.items():
+                        bar.write(f"step {self.step} {label}: val loss {r['loss']:.4f} top-1 by depth "
+                                  f"{r['top1_by_depth']}")
+                stopping = self.stop_requested(stop)  # read once: the save and the exit must agree
+                if self.step % cfg.save_every == 0 or self.step in (cfg.steps, until) or stopping:
+                    if self.rank == 0:
+                        self.save_state()
+                    _barrier(self.world)
+                if stopping:
+                    break
+        finally:
+            stop.restore()
         bar.close()
-        if stop.requested:
+        stopped = self.step < min(cfg.steps, until or cfg.steps)  # ended by a signal before its end
+        if stopped:
             bar.write(f"stopped by signal after step {self.step}, saved to {self.out}: "
                       "rerun the same command to resume")
         final = next((h["val"] for h in reversed(self.history) if "val" in h), {})
-        result = {"steps": self.step, "stopped": stop.requested, "train_tokens": tokens,
+        # "signalled" also covers a signal in the last step: a caller running several runs stops there too
+        result = {"steps": self.step, "stopped": stopped, "signalled": stop.requested, "train_tokens": tokens,
                   "seconds": round(time.time() - t0, 1),
                   "target_seconds": round(target_s, 1), "distinct_tokens": self.train_tokens, "drafters": {}}
         if "train" in self.caches:
@@ -483,6 +503,8 @@ class Trainer:
         answer rows of the target's own answers (`context_mean`: MoA drafters only, the ablation of
         `sequence_loss`)."""
         students = [st for st in self.students if st.kind == "moa" or not context_mean]
+        if not students:
+            return {}
         for st in students:
             st.drafter.eval()
         res = {st.label: {"loss": [], "agree": [], "depth": []} for st in students}
