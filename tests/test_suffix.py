@@ -11,14 +11,16 @@ import statistics
 import time
 
 import pytest
+import torch
 from conftest import assert_same_or_near_tie
 from prompts import PROMPTS
 
 from moaspec.decoding.engine import Engine, GenerationConfig
+from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import AdaptiveChain, DraftDist, Tree, TreeConfig
 from moaspec.drafters import build_drafter
-from moaspec.drafters.hybrid import HybridDrafter
+from moaspec.drafters.hybrid import EXPLORE_EVERY, HybridDrafter
 from moaspec.drafters.suffix import SuffixDrafter, SuffixIndex
 from moaspec.errors import UserError
 
@@ -233,6 +235,26 @@ def test_hybrid_switch_takes_the_free_draft_when_it_is_worth_more():
     assert h.calibration["model"].hits == 0 and h.calibration["free"].hits > 0
 
 
+def test_hybrid_switch_drafts_nothing_where_the_model_does_not_pay():
+    """No free draft and a model whose drafts are rarely accepted for what its steps cost: the round is
+    a plain step, except every EXPLORE_EVERY-th, where the model drafts to keep its acceptance measured."""
+    model = StubModel([90, 91, 92])
+    h = HybridDrafter(SuffixDrafter(), model)
+    h.begin([1, 2, 3])
+    for _ in range(30):
+        h.model_rates.update({1: False})
+    trees = []
+    for i in range(2 * EXPLORE_EVERY):
+        h.verify_ms, h.step_ms = 10.0, 4.0  # as measured on a CPU (these stubs take microseconds)
+        trees.append(h.propose(50 + i, CHAIN3))  # tokens never seen: nothing to copy
+        h.observe([50 + i])
+    assert sum(len(t) > 1 for t in trees) == 2 and model.proposals == 2
+    assert h.rounds["none"] == 2 * EXPLORE_EVERY - 2
+    h.model_rates = type(h.model_rates)()  # no evidence against the model: it drafts
+    h.verify_ms, h.step_ms = 10.0, 4.0
+    assert len(h.propose(7, CHAIN3)) > 1
+
+
 def test_hybrid_merge_fits_both_drafts_in_the_budget():
     model = StubModel([90, 91, 92])
     h = HybridDrafter(SuffixDrafter(), model, policy="merge")
@@ -274,7 +296,8 @@ COSTS = {1: 10.0, 2: 10.0, 4: 10.5, 8: 12.0}
 def _engine(dec, name: str, tree: TreeConfig, policy: str = "switch") -> Engine:
     drafter = build_drafter(name, dec.model_name, dec.target, hybrid_policy=policy)
     adapt = AdaptiveChain(COSTS, tree.depth) if tree.adaptive else None
-    return Engine(LocalTarget(dec.target, drafter.encoder), drafter, tree, adapt)
+    defer = getattr(drafter, "defers_context", False)  # as SpecDecoder builds it
+    return Engine(LocalTarget(dec.target, drafter.encoder, defer_context=defer), drafter, tree, adapt)
 
 
 @pytest.mark.parametrize("name,policy,tree", [
@@ -299,12 +322,43 @@ def test_greedy_output_equals_plain(dec_none, plain_greedy, name, policy, tree):
         assert rounds["free"] + rounds["both"] > 0 and rounds["model"] + rounds["both"] > 0, rounds
 
 
+def test_deferred_context_is_the_eager_one(dec_none, smol_tokenizer):
+    """What a local target defers for the hybrid's MoA is what it would have sent: after the same text
+    (rounds of both sources, deferred contexts encoded in batches) MoA's Cross-Attention cache holds the
+    same keys and values; and a deferred context refuses to outlive its cache slots."""
+    from conftest import chat_ids
+
+    ids = chat_ids(smol_tokenizer, PROMPTS[0])
+    got = []
+    for defer in (False, True):
+        drafter = build_drafter("hybrid", dec_none.model_name, dec_none.target)
+        engine = Engine(LocalTarget(dec_none.target, drafter.encoder, defer_context=defer), drafter,
+                        TreeConfig(3, 1, 3))
+        for _ in range(2):  # the second time the suffix drafter copies the first answer
+            out = [t for c in engine.stream(ids, GenerationConfig(max_new_tokens=40)) for t in c.tokens]
+        moa_drafter = drafter.model
+        assert bool(moa_drafter.deferred) == defer
+        moa_drafter.catch_up()
+        n = moa_drafter.ctx_len
+        got.append((out, n, moa_drafter.ca_cache.k[:, :, :n].clone(), moa_drafter.ca_cache.v[:, :, :n].clone()))
+        assert drafter.rounds["free"] > 0 and drafter.rounds["model"] > 0, drafter.rounds
+    (out0, n0, k0, v0), (out1, n1, k1, v1) = got
+    assert out0 == out1 and n0 == n1 == len(ids) + len(out0) - 1
+    assert torch.allclose(k0, k1, atol=1e-4) and torch.allclose(v0, v1, atol=1e-4)
+
+    target = LocalTarget(dec_none.target, drafter.model.encoder, defer_context=True)
+    ctx = target.start(ids, SamplingParams()).context
+    assert len(ctx) == len(ids)
+    target.start(ids[:5], SamplingParams())
+    with pytest.raises(RuntimeError, match="outlived"):
+        ctx.resolve()
+
+
 @pytest.mark.parametrize("policy", ["switch", "merge"])
 def test_hybrid_samples_with_the_model_drafter(dec_none, smol_tokenizer, policy):
     """T > 0: the model's sampled children (with their q) pass through both policies into valid trees."""
     from conftest import chat_ids
 
-    from moaspec.decoding.sampling import SamplingParams
 
     engine = _engine(dec_none, "hybrid", TreeConfig(3, 2, 4), policy)
     cfg = GenerationConfig(max_new_tokens=32, sampling=SamplingParams(temperature=0.8, seed=3))

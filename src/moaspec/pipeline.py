@@ -153,7 +153,7 @@ class SpecDecoder:
             self.remote.check_encoder()
             target: TargetSide = self.remote
         else:
-            target = LocalTarget(self.target, encoder)
+            target = LocalTarget(self.target, encoder, defer_context=getattr(self.drafter, "defers_context", False))
         self.engine = Engine(target, self.drafter, tree, adapt)
 
     def auto_tree(self) -> TreeConfig:

@@ -36,6 +36,43 @@ class ContextEncoder(Protocol):
 
 
 @dataclass
+class DeferredContext:
+    """A context not encoded yet: committed slots [start, end) of a local target's cache, which a drafter
+    encodes when it next drafts (`resolve`), several rounds' slots in one call. In one process only, for
+    encoders that read the cache alone (no hidden states): a hybrid drafter whose model drafts in few
+    rounds then pays its encoder only for those, and in batches (cheaper per token)."""
+
+    encoder: ContextEncoder
+    cache: KVCache
+    start: int
+    end: int
+    epoch: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def follows(self, other: DeferredContext) -> bool:
+        return self.encoder is other.encoder and self.cache is other.cache and \
+            (self.epoch, self.start) == (other.epoch, other.end)
+
+    def resolve(self) -> Context:
+        if self.cache.epoch != self.epoch or self.end > self.cache.length:
+            raise RuntimeError("a deferred context outlived its cache slots (the cache was reset or truncated)")
+        return self.encoder.encode(self.cache, torch.arange(self.start, self.end), {})
+
+
+def resolve_contexts(pending: list[DeferredContext]) -> list[Context]:
+    """Encode deferred contexts, adjacent slot ranges in one call each."""
+    runs: list[DeferredContext] = []
+    for c in pending:
+        if runs and c.follows(runs[-1]):
+            runs[-1] = DeferredContext(c.encoder, c.cache, runs[-1].start, c.end, c.epoch)
+        else:
+            runs.append(c)
+    return [r.resolve() for r in runs if len(r)]
+
+
+@dataclass
 class Step:
     verdict: Verdict
     context: Context | None = None  # what the drafter needs for the newly committed tokens
@@ -69,9 +106,11 @@ class LocalTarget:
     on its own `KVCache` (default: the model's), so several can share one model's weights."""
 
     def __init__(self, model: Transformer, encoder: ContextEncoder | None = None, cache: KVCache | None = None,
-                 costs: dict[int, float] | None = None):
+                 costs: dict[int, float] | None = None, defer_context: bool = False):
         self.model = model
         self.encoder = encoder
+        # hand out `DeferredContext`s where the encoder reads only the cache
+        self.defer_context = defer_context and encoder is not None and not encoder.hidden_layers
         self.cache = model.cache if cache is None else cache
         self.eos_token_ids = model.cfg.eos_token_ids
         self.max_seq_len = self.cache.size
@@ -97,6 +136,8 @@ class LocalTarget:
     def _context(self, first_slot: int, out: ForwardOut, rows: list[int] | slice) -> Context | None:
         if self.encoder is None:
             return None
+        if self.defer_context:
+            return DeferredContext(self.encoder, self.cache, first_slot, self.cache.length, self.cache.epoch)
         slots = torch.arange(first_slot, self.cache.length)
         hidden = {k: v[rows] for k, v in out.hidden.items()}
         return self.encoder.encode(self.cache, slots, hidden)

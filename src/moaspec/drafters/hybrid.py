@@ -15,9 +15,13 @@ before it is drafted.
 Policies (both keep to the tree shape asked for):
 - `switch`: per round, the free draft when its expected accepted length (the sum of its calibrated
   path probabilities) reaches what a model draft would bring for its cost (`_threshold`), else the
-  model's draft. The model drafts the chain length, up to the one asked for, with the most expected
-  tokens per millisecond by its own acceptance: the adaptive chain picks one length from the rounds of
-  both sources together.
+  model's draft. An empty free draft counts too: where the model does not pay for its draft steps the
+  round is a plain step (the model still drafts every EXPLORE_EVERY-th such round). The model drafts
+  the chain length, up to the one asked for, with the most expected tokens per millisecond by its own
+  acceptance: the adaptive chain picks one length from the rounds of both sources together.
+
+In one process the target defers the model's context (`decoding.target.DeferredContext`): the model
+encodes it, several rounds at once, only before it drafts, so rounds it sits out cost it nothing.
 - `merge`: one tree: the free draft and the model's draft merged by prefix, then the `total_tokens`
   most probable nodes (calibrated) kept, as RASD does. The model is not run when the free draft alone
   fills the budget with nodes likelier than the model's measured first-token acceptance. Sampled model
@@ -43,6 +47,7 @@ from moaspec.drafters.base import Drafter
 from moaspec.errors import UserError
 
 POLICIES = ("switch", "merge")  # per round the suffix draft or the model's, or both in one tree
+EXPLORE_EVERY = 16
 
 FREE, MODEL = "free", "model"
 
@@ -182,6 +187,8 @@ class HybridDrafter:
     """A free drafter and a model drafter behind one `Drafter` (see the module doc for the policies)."""
 
     name = "hybrid"
+    # in one process the target defers the model's context to the rounds the model drafts (batched)
+    defers_context = True
 
     def __init__(self, free: Drafter, model: Drafter, policy: str = "switch"):
         if policy not in POLICIES:
@@ -195,6 +202,7 @@ class HybridDrafter:
         self.rounds = {FREE: 0, MODEL: 0, "both": 0, "none": 0}  # whose nodes the verified trees held
         self._last: _Draft | None = None
         self._proposed_at: float | None = None
+        self._idle = 0  # rounds in which neither source was worth drafting
 
     # ------------------------------------------------------------------ Drafter protocol
     def begin(self, prompt: list[int], context: Any = None) -> None:
@@ -220,8 +228,8 @@ class HybridDrafter:
             model_cfg = cfg
         if self.policy == "merge":
             draft = self._merge(root, cfg, free, model_cfg)
-        elif len(free) > 1 and free.expected >= self._threshold(model_cfg.depth):
-            draft = free
+        elif free.expected >= self._threshold(model_cfg.depth) and (len(free) > 1 or not self._explore()):
+            draft = free  # also an empty one: a plain step beats a model draft that does not pay
         else:
             draft = self._model_draft(root, model_cfg)
         self._last = draft
@@ -230,7 +238,15 @@ class HybridDrafter:
         return draft.tree()
 
     # ------------------------------------------------------------------ choices
+    def _explore(self) -> bool:
+        """Every EXPLORE_EVERY-th round that would draft nothing, the model drafts anyway, so that its
+        measured acceptance follows the text and can make it pay again."""
+        self._idle += 1
+        return self._idle % EXPLORE_EVERY == 0
+
     def _model_draft(self, root: int, cfg: TreeConfig) -> _Draft:
+        if (catch_up := getattr(self.model, "catch_up", None)) is not None:
+            catch_up()  # deferred context, encoded outside the timed draft steps
         t = time.perf_counter()
         tree = self.model.propose(root, cfg)
         if len(tree) > 1:

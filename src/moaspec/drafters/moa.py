@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from moaspec.decoding.context import register
+from moaspec.decoding.target import DeferredContext, resolve_contexts
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.layers import (
     BlockKernels,
@@ -387,6 +388,7 @@ class MoADrafter(TargetBoundDrafter):
         self.tokens: list[int] = []  # committed tokens (prompt + accepted), all in the target's cache
         self.sa_len = 0  # tokens whose K/V are in the SA cache
         self.ctx_len = 0  # verified tokens whose CA keys/values (and TLI K/V) are cached
+        self.deferred: list[DeferredContext] = []  # contexts to encode before the next draft
 
     def _allocate(self) -> None:
         S = self.max_seq_len
@@ -400,6 +402,9 @@ class MoADrafter(TargetBoundDrafter):
 
     def _add_context(self, context: Any) -> None:
         """Project CA keys/values (and store the TLI K/V) once for each newly verified token."""
+        if isinstance(context, DeferredContext):
+            self.deferred.append(context)
+            return
         if not isinstance(context, MoAContext):
             raise UserError("the MoA drafter needs MoA context from the target: pass drafter.encoder to the target")
         start, n = self.ctx_len, len(context)
@@ -434,7 +439,15 @@ class MoADrafter(TargetBoundDrafter):
         return torch.log_softmax(self._fast_head(out[0]), -1)
 
     @torch.no_grad()
+    def catch_up(self) -> None:
+        """Encode and take in the contexts the target deferred (`decoding.target.DeferredContext`)."""
+        if self.deferred:
+            pending, self.deferred = self.deferred, []
+            for ctx in resolve_contexts(pending):
+                self._add_context(ctx)
+
     def propose(self, root: int, cfg: TreeConfig) -> Tree:
+        self.catch_up()
         P = len(self.tokens)  # the root's position; the target has verified slots 0..P-1
         if self.ctx_len > P:
             raise RuntimeError(f"MoA drafter out of step: {P} committed tokens but {self.ctx_len} context vectors")

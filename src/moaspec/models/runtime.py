@@ -160,6 +160,7 @@ class KVCache:
         self.v = torch.zeros(shape, device=device)
         self.size = size
         self.length = 0
+        self.epoch = 0  # bumped whenever committed slots may be rewritten (reset, truncate)
 
     def advance(self, n: int) -> None:
         """Keep the last forward's n rows as committed (a plain, in-order pass)."""
@@ -179,10 +180,13 @@ class KVCache:
         """Roll the committed prefix back to `length` tokens."""
         if not 0 <= length <= self.length:
             raise UserError(f"cannot truncate a {self.length}-token cache to {length}")
+        if length < self.length:
+            self.epoch += 1
         self.length = length
 
     def reset(self) -> None:
         self.length = 0
+        self.epoch += 1
 
     def kv(self, positions: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K (after RoPE) and V of every layer for cache slots: each [L, Hkv, n, d]."""
