@@ -253,6 +253,12 @@ def test_hybrid_switch_drafts_nothing_where_the_model_does_not_pay():
     h.model_rates = type(h.model_rates)()  # no evidence against the model: it drafts
     h.verify_ms, h.step_ms = 10.0, 4.0
     assert len(h.propose(7, CHAIN3)) > 1
+    h.observe([7])
+    # unless the rows it adds to the verification cost more than its expected tokens bring
+    h.set_row_costs({1: 10.0, 2: 15.0, 4: 25.0})
+    h.model_rates = type(h.model_rates)()
+    h.verify_ms, h.step_ms = 10.0, 0.5
+    assert len(h.propose(8, CHAIN3)) == 1
 
 
 def test_hybrid_merge_fits_both_drafts_in_the_budget():

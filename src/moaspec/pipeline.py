@@ -147,6 +147,8 @@ class SpecDecoder:
         adapt = None
         if tree is not None and tree.adaptive:
             adapt = AdaptiveChain(costs if costs is not None else self.pass_costs(), tree.depth)
+        if hasattr(self.drafter, "set_row_costs"):  # a drafter that prices its drafts' verify rows
+            self.drafter.set_row_costs(costs if costs is not None else self.pass_costs())
         encoder = self.drafter.encoder if self.drafter else None
         if self.remote is not None:
             self.remote.encoder = encoder_id(encoder) if encoder is not None else None

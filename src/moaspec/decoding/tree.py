@@ -162,6 +162,21 @@ def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.5) -> TreeConfig
     return TreeConfig(depth=depth, topk=topk, total_tokens=total)
 
 
+def row_cost_ratios(cost_ms: dict[int, float], rows: int) -> list[float]:
+    """The cost of a target pass over 1..rows rows as a multiple of a 1-row pass (element k - 1 for k
+    rows), linear between the measured row counts and flat past the last."""
+    if 1 not in cost_ms:
+        raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
+    ks = sorted(cost_ms)
+    out = []
+    for k in range(1, rows + 1):
+        lo = max(x for x in ks if x <= k)
+        hi = min((x for x in ks if x >= k), default=lo)
+        ms = cost_ms[lo] if hi == lo else cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
+        out.append(ms / cost_ms[1])
+    return out
+
+
 class AdaptiveChain:
     """Chooses before every target call how many tokens to draft in a chain: the length with the most
     expected tokens per millisecond, from the acceptance seen so far and the costs seen so far.
@@ -177,19 +192,10 @@ class AdaptiveChain:
     acceptance measured and costs the least."""
 
     def __init__(self, verify_ms: dict[int, float], max_depth: int = 8, decay: float = 0.95):
-        if 1 not in verify_ms:
-            raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
         if not 1 <= max_depth <= MAX_DEPTH:
             raise ValueError(f"an adaptive chain drafts 1 to {MAX_DEPTH} tokens, got max_depth {max_depth}")
         self.max_depth, self.decay = max_depth, decay
-        ks = sorted(verify_ms)
-        # relative verify cost for 1..max_depth+1 rows, linear between measured row counts
-        self.rel = []
-        for k in range(1, max_depth + 2):
-            lo = max(x for x in ks if x <= k)
-            hi = min((x for x in ks if x >= k), default=lo)
-            ms = verify_ms[lo] if hi == lo else verify_ms[lo] + (verify_ms[hi] - verify_ms[lo]) * (k - lo) / (hi - lo)
-            self.rel.append(ms / verify_ms[1])
+        self.rel = row_cost_ratios(verify_ms, max_depth + 1)
         self.reset()
 
     def reset(self) -> None:

@@ -14,7 +14,7 @@ before it is drafted.
 
 Policies (both keep to the tree shape asked for):
 - `switch`: per round, the free draft when its expected accepted length (the sum of its calibrated
-  path probabilities) reaches what a model draft would bring for its cost (`_threshold`), else the
+  path probabilities) per millisecond reaches what a model draft would bring (`_free_wins`), else the
   model's draft. An empty free draft counts too: where the model does not pay for its draft steps the
   round is a plain step (the model still drafts every EXPLORE_EVERY-th such round). The model drafts
   the chain length, up to the one asked for, with the most expected tokens per millisecond by its own
@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from moaspec.decoding.tree import DraftDist, Tree, TreeConfig
+from moaspec.decoding.tree import DraftDist, Tree, TreeConfig, row_cost_ratios
 from moaspec.drafters.base import Drafter
 from moaspec.errors import UserError
 
@@ -197,8 +197,12 @@ class HybridDrafter:
         self.encoder = model.encoder  # the target encodes context for the model drafter only
         self.calibration = {FREE: _Calibration(), MODEL: _Calibration()}
         self.model_rates = _DepthRates()
-        self.verify_ms: float | None = None  # one verification, as seen between propose and observe
+        # a verification of one row (its root), as seen between propose and observe, each scaled by what its
+        # rows cost against one (`set_row_costs`; without them every row count is taken to cost the same)
+        self.verify_ms: float | None = None
+        self.rel: list[float] = [1.0]
         self.step_ms: float | None = None  # one model draft token
+        self.catch_up_ms: float | None = None  # encoding the model's deferred context, per model round
         self.rounds = {FREE: 0, MODEL: 0, "both": 0, "none": 0}  # whose nodes the verified trees held
         self._last: _Draft | None = None
         self._proposed_at: float | None = None
@@ -210,9 +214,18 @@ class HybridDrafter:
         self.model.begin(prompt, context)
         self._last = self._proposed_at = None
 
+    def set_row_costs(self, cost_ms: dict[int, float]) -> None:
+        """The target's calibrated cost of a pass by its row count (`pass_costs`): what a longer draft
+        adds to its verification."""
+        self.rel = row_cost_ratios(cost_ms, max(cost_ms))
+
+    def _rows(self, n: int) -> float:
+        return self.rel[min(n, len(self.rel)) - 1]
+
     def observe(self, tokens: list[int], context: Any = None) -> None:
-        if self._proposed_at is not None:
-            self.verify_ms = _ema(self.verify_ms, (time.perf_counter() - self._proposed_at) * 1e3)
+        if self._proposed_at is not None and self._last is not None:
+            ms = (time.perf_counter() - self._proposed_at) * 1e3 / self._rows(len(self._last))
+            self.verify_ms = _ema(self.verify_ms, ms)
         self.free.observe(tokens, None)
         self.model.observe(tokens, context)
         if self._last is not None:
@@ -228,7 +241,7 @@ class HybridDrafter:
             model_cfg = cfg
         if self.policy == "merge":
             draft = self._merge(root, cfg, free, model_cfg)
-        elif free.expected >= self._threshold(model_cfg.depth) and (len(free) > 1 or not self._explore()):
+        elif self._free_wins(free, model_cfg.depth) and (len(free) > 1 or not self._explore()):
             draft = free  # also an empty one: a plain step beats a model draft that does not pay
         else:
             draft = self._model_draft(root, model_cfg)
@@ -246,28 +259,38 @@ class HybridDrafter:
 
     def _model_draft(self, root: int, cfg: TreeConfig) -> _Draft:
         if (catch_up := getattr(self.model, "catch_up", None)) is not None:
-            catch_up()  # deferred context, encoded outside the timed draft steps
+            t = time.perf_counter()
+            catch_up()  # the deferred context: a cost of this round, apart from the draft steps
+            self.catch_up_ms = _ema(self.catch_up_ms, (time.perf_counter() - t) * 1e3)
         t = time.perf_counter()
         tree = self.model.propose(root, cfg)
         if len(tree) > 1:
             self.step_ms = _ema(self.step_ms, (time.perf_counter() - t) * 1e3 / (len(tree) - 1))
         return _Draft.of(tree, MODEL, self.calibration[MODEL].factor)
 
+    def _round_ms(self, rows: int, model_steps: int = 0) -> float | None:
+        """What a round costs: the verification of `rows` rows, and a model draft of `model_steps` tokens."""
+        if self.verify_ms is None or (model_steps and self.step_ms is None):
+            return None
+        extra = model_steps * self.step_ms + (self.catch_up_ms or 0.0) if model_steps else 0.0
+        return self.verify_ms * self._rows(rows) + extra
+
     def _model_length(self, d: int) -> int:
-        """The model chain length (<= d) with the most expected tokens per millisecond. Extra verified rows
-        are taken as free: the adaptive chain's d already weighs them."""
-        if self.verify_ms is None or self.step_ms is None or d <= 1:
+        """The model chain length (<= d) with the most expected tokens per millisecond."""
+        costs = [self._round_ms(j + 1, j) for j in range(1, d + 1)]
+        if d <= 1 or None in costs:
             return d
-        rates = [(1 + e) / (self.verify_ms + j * self.step_ms) for j, e in enumerate(self.model_rates.expected(d), 1)]
+        rates = [(1 + e) / c for e, c in zip(self.model_rates.expected(d), costs, strict=True)]
         return max(range(len(rates)), key=rates.__getitem__) + 1
 
-    def _threshold(self, d: int) -> float:
-        """The expected accepted length a free draft needs to beat a d-token model draft: the model's
-        expected accepted length, discounted by what its draft steps cost against a verification."""
+    def _free_wins(self, free: _Draft, d: int) -> bool:
+        """Whether the free draft (an empty one: a plain step) brings more tokens per millisecond than a
+        d-token model draft; before the costs are measured, whether it expects as many tokens."""
         e = self.model_rates.expected(d)[-1] if d > 0 else 0.0
-        if self.verify_ms is None or self.step_ms is None:
-            return e
-        return (1 + e) * self.verify_ms / (self.verify_ms + d * self.step_ms) - 1
+        free_ms, model_ms = self._round_ms(len(free)), self._round_ms(d + 1, d)
+        if free_ms is None or model_ms is None:
+            return len(free) > 1 and free.expected >= e
+        return (1 + free.expected) / free_ms >= (1 + e) / model_ms
 
     def _merge(self, root: int, cfg: TreeConfig, free: _Draft, model_cfg: TreeConfig) -> _Draft:
         budget = cfg.total_tokens
