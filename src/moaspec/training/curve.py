@@ -48,7 +48,7 @@ def run(cfg: TrainConfig, points: list[int]) -> dict:
         path.write_text(json.dumps({"model": cfg.model, "data": cfg.data, "kinds": cfg.kind,
                                     "tli_layers": cfg.tli_layers, "batch_size": cfg.batch_size, "lr": cfg.lr,
                                     "points": rows}, indent=1))
-    plot(rows, out / "curve.png", cfg.model)
+        plot(rows, out / "curve.png", cfg.model)  # after every point: a run of many sessions shows its progress
     return {"points": rows}
 
 
