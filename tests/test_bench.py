@@ -41,7 +41,7 @@ def test_bench_runs_resumes_and_reports(tmp_path):
     # the prefill gives the first token; each target call then emits its accepted tokens + 1
     assert all(1 + sum(a) >= n for a, n in zip(choice["accept_lengths"], choice["new_tokens"], strict=True))
     assert mt["model_id"] == f"{SMOL}:moa"
-    assert mt["tree"] == {"depth": 3, "topk": 1, "total_tokens": 3, "adaptive": False}
+    assert mt["tree"] == {"depth": 3, "topk": 1, "total_tokens": 3, "adaptive": False, "min_prob": 0.0}
     text = path.read_text()
     assert "| moa |" in text and "## T = 1" in text
 

@@ -391,8 +391,10 @@ def test_generate_text_stays_verified_across_an_outage(served, dec_none):
 
 
 # ----------------------------------------------------------------------------- one engine, two target sides
-@pytest.mark.parametrize("drafter", ["none", "lookup", "suffix", "model", "moa", "eagle", "independent", "hybrid"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("drafter,temperature", [
+    *((d, t) for d in ("none", "lookup", "suffix", "model", "moa", "eagle", "independent") for t in (0.0, 1.0)),
+    ("hybrid", 0.0),  # it picks its source per round by live timings, which the network changes: at T > 0
+])                    # its drafts, and so the seeded sample (exact in law either way), differ
 def test_remote_target_runs_the_engine_exactly_as_local(served, drafter, temperature):
     """The same engine over `LocalTarget` and over `RemoteTarget` (fp32 wire, fixed tree): the same
     tokens, greedy or seeded sampling (the target's draws are seeded on the server as in-process)."""
@@ -403,7 +405,8 @@ def test_remote_target_runs_the_engine_exactly_as_local(served, drafter, tempera
     remote = SpecDecoder(SMOL, drafter=drafter, tree=tree, target_url=run.url, token=TOKEN, wire="fp32")
     want, got = local.generate(PROMPT, cfg), remote.generate(PROMPT, cfg)
     assert got.token_ids == want.token_ids
-    assert got.metrics.accept_lengths == want.metrics.accept_lengths
+    if drafter != "hybrid":
+        assert got.metrics.accept_lengths == want.metrics.accept_lengths
     remote.remote.shutdown()
 
 
