@@ -16,6 +16,7 @@ from conftest import SMOL, assert_same_or_near_tie, chat_ids
 from prompts import PROMPTS
 
 import moaspec.drafters.moa as moa
+import moaspec.drafters.trained as trained
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import TreeConfig
@@ -26,6 +27,10 @@ from moaspec.models.store import weights_fingerprint
 
 FP16_LOGPROB_TOL = 0.05  # |log q| difference per token, fp16 against fp32 weights (seen: < 0.02)
 NEAR_TIE = 0.05  # a top-2 log-prob margin below this may flip the argmax under fp16 rounding
+# An int8 head (activations quantised per block of 32 too) moves a draft probability by up to ~0.05 (seen on
+# 535 steps) and the argmax where the top two lie within ~0.17 in log-prob (4% of the steps).
+INT8_PROB_TOL = 0.1
+INT8_NEAR_TIE = 0.25
 
 
 def _random(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -106,11 +111,19 @@ def test_encoder_encode_matches_forward(smol_folder, weights):
     assert (gathered - ref[[3, 7, 1]]).abs().max() < tol * ref.abs().max()
 
 
-def test_fp16_drafts_match_reference_math_on_shipped_checkpoint(smol_folder, smol_tokenizer, monkeypatch):
+@pytest.mark.parametrize("head", ["fp16", "int8"])
+def test_fp16_drafts_match_reference_math_on_shipped_checkpoint(smol_folder, smol_tokenizer, monkeypatch, head):
     """Greedy speculative decoding with the shipped SmolLM2 MoA checkpoint, fp16 weights, 4-token chains:
     the output is plain greedy's, and at every draft step (root and drafted nodes, a few hundred) the
     drafter's log-probs are those of `forward_train` (fp32 reference math on the same verified context)
-    within fp16 rounding, with the same argmax unless the reference's top two are a near-tie."""
+    within the rounding of the weights, with the same argmax unless the reference's top two are a
+    near-tie. The layers run fp16 kernels; the LM head runs int8 by default (`trained.head_mode`), or
+    fp16."""
+    if head == "fp16":
+        monkeypatch.setattr(trained, "head_mode", lambda weights: weights)
+    elif trained.head_mode("fp16") != "int8":
+        pytest.skip("the int8 kernels are not available here")
+    near_tie, max_ties = {"fp16": (NEAR_TIE, 0.01), "int8": (INT8_NEAR_TIE, 0.07)}[head]
     target = Transformer(smol_folder, weights="fp16", max_seq_len=512)
     d = moa.load(shipped_checkpoint("moa", SMOL), target, SMOL, weights_fingerprint(smol_folder))
     rounds = []  # (verified tokens P, [root, drafted...], [log-probs of root, node 1, ...])
@@ -134,7 +147,7 @@ def test_fp16_drafts_match_reference_math_on_shipped_checkpoint(smol_folder, smo
     cfg = GenerationConfig(max_new_tokens=48, ignore_eos=True)
     index = {int(t): i for i, t in enumerate(d.vocab_ids.tolist())}
     steps = ties = 0
-    worst = 0.0
+    worst = worst_p = 0.0
     for text in PROMPTS[:4]:
         ids = chat_ids(smol_tokenizer, text)
         rounds.clear()
@@ -154,16 +167,19 @@ def test_fp16_drafts_match_reference_math_on_shipped_checkpoint(smol_folder, smo
                 ref = torch.log_softmax(F.linear(final, d.head), -1)
             for r, lp in enumerate(lps):
                 worst = max(worst, float((lp - ref[r]).abs().max()))
+                worst_p = max(worst_p, float((lp.exp() - ref[r].exp()).abs().max()))
                 top = ref[r].topk(2)
                 if int(lp.argmax()) != int(top.indices[0]):
-                    assert float(top.values[0] - top.values[1]) < NEAR_TIE, (P, r)
+                    assert float(top.values[0] - top.values[1]) < near_tie, (P, r)
                     ties += 1
                 if r + 1 < len(chain):  # the chain follows the drafter's argmax
                     assert index[chain[r + 1]] == int(lp.argmax())
                 steps += 1
     assert steps >= 200, steps
-    assert worst < FP16_LOGPROB_TOL, worst
-    assert ties <= steps // 100, (ties, steps)
+    if head == "fp16":
+        assert worst < FP16_LOGPROB_TOL, worst
+    assert worst_p < INT8_PROB_TOL, worst_p
+    assert ties <= max_ties * steps, (ties, steps)
 
 
 def test_draftcost_bench_runs(tmp_path, capsys):
