@@ -284,3 +284,34 @@ def test_eagle_is_sized_to_moa_parameter_count():
     got = eagle.EagleDrafter(matched_eagle_config(c, common)).num_trainable_parameters()
     default = eagle.EagleDrafter(eagle.EagleConfig.for_target(c, **common)).num_trainable_parameters()
     assert abs(got - want) < 0.02 * want and abs(default - want) > 0.2 * want
+
+
+def test_agreement_on_bench_answers(tmp_path):
+    """`bench.agreement`: a training run's drafters scored teacher-forced on a benchmark run's plain
+    answers (every turn, rebuilt with the benchmark's own chat prompts), beside the benchmark's
+    accepted-per-drafted rate of the same method; a folder that is not a benchmark run is refused."""
+    from moaspec.bench.agreement import agreement, bench_examples
+    from moaspec.bench.answers import answer_path, read_answers
+    from moaspec.bench.suite import BenchConfig, run
+
+    data = _slice(tmp_path, 8, 2)
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=5, batch_size=1, max_len=64,
+                      vocab_ids=1024, warmup=1, val_every=1000, save_every=1000, val_sequences=2, seed=3)
+    Trainer(cfg).run()
+    bench = tmp_path / "bench"
+    run(BenchConfig(model=cfg.model, methods=("plain", "moa"), tasks=("mtbench",), questions=1, max_new_tokens=8,
+                    temperatures=(0.0,), tree="2,1,2", checkpoints=str(tmp_path / "run"), out=str(bench)))
+    tr = Trainer(cfg)
+    examples = bench_examples(bench, tr.tokenizer)
+    record = next(iter(read_answers(answer_path(bench, "plain", 0.0)).values()))["choices"][0]
+    assert len(examples) == 2  # both MT-Bench turns; the second prompt holds the first answer
+    for ex, ids in zip(examples, record["token_ids"], strict=True):
+        assert ex.ids[ex.prompt_len:] == ids and ex.answer_from_target
+    assert record["turns"][0] in tr.tokenizer.decode(examples[1].ids[:examples[1].prompt_len])
+
+    result = agreement(tmp_path / "run", bench)
+    assert result["step"] == 5 and result["bench_answer_tokens"] == sum(record["new_tokens"])
+    assert 0.0 <= result["bench_teacher_forced"]["moa"]["top1_by_depth"][1] <= 1.0
+    assert 0.0 <= result["bench_accepted_per_drafted"]["moa"] <= 1.0
+    with pytest.raises(UserError, match="not a `moaspec bench` output"):
+        bench_examples(tmp_path / "run", tr.tokenizer)

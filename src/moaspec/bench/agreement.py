@@ -1,0 +1,98 @@
+"""Teacher-forced top-1 agreement of a training run's drafters on a benchmark run's plain answers.
+
+Validation agreement (`training.curve`) is measured on held-out answers to the training prompts, and
+the benchmark's acceptance on its six tasks runs lower. This scores the same drafters, teacher-forced
+exactly as validation does, on the target's own answers to the benchmark's prompts: that splits the
+gap into what the prompts change (this against validation) and what drafting in the engine changes
+(the benchmark's accepted per drafted token against depth 1 here).
+
+    python -m moaspec.bench.agreement --run runs/curve-qwen-snap/1000000 --bench bench-out/curve1m-fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from moaspec.bench.answers import answer_path, read_answers
+from moaspec.bench.tasks import load_tasks
+from moaspec.errors import UserError
+from moaspec.models.store import load_tokenizer, resolve
+from moaspec.training.train import Example, TrainConfig, Trainer
+
+
+def bench_examples(bench: Path, tokenizer) -> list[Example]:
+    """Every turn of the benchmark run's plain answers at T=0 as an example: the chat prompt the
+    benchmark rendered (earlier turns with plain's own answers) followed by plain's answer tokens."""
+    try:
+        meta = json.loads((bench / "meta.json").read_text())["config"]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{bench} is not a `moaspec bench` output folder (no readable meta.json): {e}") from None
+    path = answer_path(bench, "plain", 0.0)
+    records = read_answers(path)
+    if not records:
+        raise UserError(f"{path} holds no answers: the benchmark run needs the plain method at T=0")
+    questions = {q.id: q for q in load_tasks(list(meta["tasks"]) or None, meta["questions"], meta["seed"])}
+    out: list[Example] = []
+    for qid, record in records.items():
+        if qid not in questions:
+            raise UserError(f"{path} answers question {qid}, which the run's task settings do not give")
+        choice, messages = record["choices"][0], []
+        for turn, text, ids in zip(questions[qid].turns, choice["turns"], choice["token_ids"], strict=False):
+            messages.append({"role": "user", "content": turn})
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            if ids:
+                out.append(Example([*prompt, *ids], len(prompt), len(out), answer_from_target=True))
+            messages.append({"role": "assistant", "content": text})
+    return out
+
+
+def agreement(run: Path, bench: Path) -> dict:
+    """Per drafter of the run: top-1 agreement by draft depth on the benchmark's answers (compare the
+    run's validation in its curve.json or history), and the benchmark's accepted tokens per drafted
+    token for the method of the same name."""
+    try:
+        saved = torch.load(run / "trainer.pt", weights_only=False)["config"]
+    except (OSError, KeyError, RuntimeError) as e:
+        raise UserError(f"{run} is not a training run folder (no readable trainer.pt): {e}") from None
+    examples = bench_examples(bench, load_tokenizer(resolve(saved["model"])))
+    longest = max(len(e.ids) for e in examples)  # the target's cache must hold the longest turn
+    cfg = TrainConfig(**{**saved, "out": str(run), "feature_cache": False, "device": "cpu",
+                         "max_len": max(saved["max_len"], longest)})
+    tr = Trainer(cfg)
+    tr.load_state()
+    tr.val = examples
+    result: dict = {"run": str(run), "bench": str(bench), "step": tr.step}
+    result["bench_answer_tokens"] = sum(len(e.ids) - e.prompt_len for e in tr.val)
+    result["bench_teacher_forced"] = tr.validate()
+    result["bench_accepted_per_drafted"] = {}
+    for label in result["bench_teacher_forced"]:
+        records = read_answers(answer_path(bench, label, 0.0)).values()
+        choices = [r["choices"][0] for r in records]
+        drafted = sum(sum(c.get("drafted_tokens", [])) for c in choices)
+        accepted = sum(a - 1 for c in choices for turn in c.get("accept_lengths", []) for a in turn)
+        if drafted:
+            result["bench_accepted_per_drafted"][label] = round(accepted / drafted, 4)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="a training run folder (trainer.pt and one folder per drafter)")
+    p.add_argument("--bench", required=True, help="a `moaspec bench` output folder with plain at T=0")
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    a = p.parse_args()
+    result = agreement(Path(a.run), Path(a.bench))
+    text = json.dumps(result, indent=1)
+    if a.out:
+        Path(a.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
