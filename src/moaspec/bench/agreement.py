@@ -6,7 +6,7 @@ exactly as validation does, on the target's own answers to the benchmark's promp
 gap into what the prompts change (this against validation) and what drafting in the engine changes
 (the benchmark's accepted per drafted token against depth 1 here).
 
-    python -m moaspec.bench.agreement --run runs/curve-qwen-snap/1000000 --bench bench-out/curve1m-fp16
+    python -m moaspec.bench.agreement --run runs/curve-qwen/points/1000000 --bench bench-out/curve1m-fp16
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from moaspec.bench.answers import answer_path, read_answers
 from moaspec.bench.tasks import load_tasks
 from moaspec.errors import UserError
 from moaspec.models.store import load_tokenizer, resolve
-from moaspec.training.train import Example, TrainConfig, Trainer
+from moaspec.training.train import Example, TrainConfig, Trainer, run_config
 
 
 def bench_examples(bench: Path, tokenizer) -> list[Example]:
@@ -55,18 +53,15 @@ def agreement(run: Path, bench: Path) -> dict:
     """Per drafter of the run: top-1 agreement by draft depth on the benchmark's answers (compare the
     run's validation in its curve.json or history), and the benchmark's accepted tokens per drafted
     token for the method of the same name."""
-    try:
-        saved = torch.load(run / "trainer.pt", weights_only=False)["config"]
-    except (OSError, KeyError, RuntimeError) as e:
-        raise UserError(f"{run} is not a training run folder (no readable trainer.pt): {e}") from None
+    saved = run_config(run)
     examples = bench_examples(bench, load_tokenizer(resolve(saved["model"])))
     longest = max(len(e.ids) for e in examples)  # the target's cache must hold the longest turn
     cfg = TrainConfig(**{**saved, "out": str(run), "feature_cache": False, "device": "cpu",
                          "max_len": max(saved["max_len"], longest)})
     tr = Trainer(cfg)
-    tr.load_state()
+    tr.load_drafters(run)
     tr.val = examples
-    result: dict = {"run": str(run), "bench": str(bench), "step": tr.step}
+    result: dict = {"run": str(run), "bench": str(bench)}
     result["bench_answer_tokens"] = sum(len(e.ids) - e.prompt_len for e in tr.val)
     result["bench_teacher_forced"] = tr.validate()
     result["bench_accepted_per_drafted"] = {}
@@ -82,7 +77,8 @@ def agreement(run: Path, bench: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", required=True, help="a training run folder (trainer.pt and one folder per drafter)")
+    p.add_argument("--run", required=True,
+                   help="a training run folder, or a learning curve's point (runs/X/points/<budget>)")
     p.add_argument("--bench", required=True, help="a `moaspec bench` output folder with plain at T=0")
     p.add_argument("--out", default=None, help="write the result as JSON here")
     a = p.parse_args()

@@ -3,8 +3,9 @@ drafters trained side by side on the same data (MoA N=0 and EAGLE-2 by default).
 
 One run over a seeded subset of the largest budget, one epoch, constant learning rate after warm-up,
 validated when it has seen each budget: a budget's point is the drafter after exactly that many
-distinct tokens, and a smaller budget's tokens are a prefix of a larger one's. Writes curve.json and
-curve.png into the run folder; a stopped run resumes.
+distinct tokens, and a smaller budget's tokens are a prefix of a larger one's. Writes curve.json,
+curve.png and points/<budget>/ (the drafters at that point, a folder `moaspec export`, `moaspec bench
+--checkpoints` and `bench.agreement` take) into the run folder; a stopped run resumes.
 
     python -m moaspec.training.curve --model smollm2-135m --data data/smollm2-135m-v2-seed0 \
         --out runs/curve-smol --points 60000,120000,250000,500000
@@ -42,6 +43,8 @@ def run(cfg: TrainConfig, points: list[int]) -> dict:
         result = tr.run(until=step)
         if result["signalled"]:  # ended by a signal, saved: the same command resumes
             return {"points": rows, "stopped_at_step": result["steps"]}
+        tr.save_point(out / "points" / str(budget), {"budget": budget, "data_tokens": tokens, "steps": step,
+                                                     "batch_size": cfg.batch_size, "lr": cfg.lr})
         rows.append({"budget": budget, "tokens": tokens, "step": step, "val": tr.validate(),
                      "val_context_mean": tr.validate(context_mean=True),
                      "feature_extraction": result.get("feature_extraction"), "seconds": result["seconds"]})

@@ -537,21 +537,48 @@ class Trainer:
                     "torch_rng": torch.get_rng_state(), "history": self.history, "config": asdict(self.cfg)},
                    self.out / "trainer.pt")
 
+    def load_drafters(self, folder: Path) -> None:
+        """Every drafter's weights from `folder`/<label> (a run, or one of a learning curve's points)."""
+        for st in self.students:
+            fresh = KINDS[st.kind].load(folder / st.label, self.target, self.cfg.model,
+                                        st.drafter.cfg.target_fingerprint)
+            st.drafter.load_state_dict(fresh.state_dict())
+
+    def save_point(self, folder: Path, info: dict) -> None:
+        """The drafters as they are now, with `info`, into `folder` (a learning curve's point): a folder
+        that `export`, `bench --checkpoints` and `bench.agreement` take like a finished run."""
+        for st in self.students:
+            KINDS[st.kind].save(st.drafter, folder / st.label)
+            (folder / st.label / "training.json").write_text(json.dumps(
+                {"data": self.cfg.data, **info, "trained_with": [s.label for s in self.students]}, indent=1))
+        (folder / "point.json").write_text(json.dumps({**info, "config": asdict(self.cfg)}, indent=1))
+
     def load_state(self) -> None:
         state = torch.load(self.out / "trainer.pt", weights_only=False)
         missing = [st.label for st in self.students if st.label not in state["opt"]]
         if missing:
             raise UserError(f"{self.out} holds a run without {', '.join(missing)}: resume it with the same "
                             f"--kind/--tli, or pick a new --out")
+        self.load_drafters(self.out)
         for st in self.students:
-            fresh = KINDS[st.kind].load(self.out / st.label, self.target, self.cfg.model,
-                                        st.drafter.cfg.target_fingerprint)
-            st.drafter.load_state_dict(fresh.state_dict())
             st.opt.load_state_dict(state["opt"][st.label])
             st.seconds = state["seconds"][st.label]
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.history = state["step"], state["history"]
+
+
+def run_config(run: str | Path) -> dict:
+    """The `TrainConfig` (as a dict) of a training run folder (trainer.pt) or of a learning curve's
+    point (point.json)."""
+    run = Path(run)
+    try:
+        if (run / "point.json").exists():
+            return json.loads((run / "point.json").read_text())["config"]
+        return torch.load(run / "trainer.pt", weights_only=False)["config"]
+    except (OSError, KeyError, RuntimeError, ValueError) as e:
+        raise UserError(f"{run} is neither a training run folder (readable trainer.pt) nor a learning "
+                        f"curve's point (point.json): {e}") from None
 
 
 def export(run: str | Path, dest: str | Path | None = None) -> list[Path]:
@@ -563,10 +590,7 @@ def export(run: str | Path, dest: str | Path | None = None) -> list[Path]:
     from moaspec.drafters import shipped_checkpoint
 
     run = Path(run)
-    try:
-        cfg = torch.load(run / "trainer.pt", weights_only=False)["config"]
-    except (OSError, KeyError, RuntimeError) as e:
-        raise UserError(f"{run} is not a training run folder (no readable trainer.pt): {e}") from None
+    cfg = run_config(run)
     folder = resolve(cfg["model"])
     target = Transformer(folder, weights="fp32", max_seq_len=64)
     fingerprint = weights_fingerprint(folder)
