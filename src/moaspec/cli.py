@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="copy a finished training run's drafters as fp16 checkpoints "
                        "(default: into the package, where --drafter KIND finds them)")
-    e.add_argument("run", help="the --out folder of `moaspec train`")
+    e.add_argument("run", help="the --out folder of `moaspec train`, or a learning curve's points/<budget> folder")
     e.add_argument("--to", metavar="DIR", help="write DIR/<label>/ instead (label: moa, moa-n1, eagle, ...)")
     e.set_defaults(func=cmd_export)
 
