@@ -209,8 +209,7 @@ class SpecDecoder:
         for msg in prompt:
             if not isinstance(msg, dict) or "role" not in msg or not isinstance(msg.get("content"), str):
                 raise UserError(f"malformed chat message {msg!r}: need {{'role': ..., 'content': str}}")
-        ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_ids(self.tokenizer, prompt)
 
     # ---------------------------------------------------------------- generation
     def stream(
@@ -286,6 +285,13 @@ class SpecDecoder:
             tokens += new
             finish = reason or finish
         return Generation("".join(parts), tokens, ids, finish, self.engine.metrics)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat messages rendered with the tokenizer's template, ready for the answer (some
+    tokenizer versions return a mapping with input_ids, others the list)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def _is_ids(prompt: object) -> bool:

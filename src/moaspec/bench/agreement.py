@@ -19,6 +19,7 @@ from moaspec.bench.answers import answer_path, read_answers
 from moaspec.bench.tasks import load_tasks
 from moaspec.errors import UserError
 from moaspec.models.store import load_tokenizer, resolve
+from moaspec.pipeline import chat_ids
 from moaspec.training.train import Example, TrainConfig, Trainer, run_config
 
 
@@ -41,8 +42,7 @@ def bench_examples(bench: Path, tokenizer) -> list[Example]:
         choice, messages = record["choices"][0], []
         for turn, text, ids in zip(questions[qid].turns, choice["turns"], choice["token_ids"], strict=False):
             messages.append({"role": "user", "content": turn})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            prompt = chat_ids(tokenizer, messages)  # as the benchmark rendered it (Decoder.encode)
             if ids:
                 out.append(Example([*prompt, *ids], len(prompt), len(out), answer_from_target=True))
             messages.append({"role": "assistant", "content": text})
