@@ -290,7 +290,7 @@ def test_agreement_on_bench_answers(tmp_path):
     """`bench.agreement`: a training run's drafters scored teacher-forced on a benchmark run's plain
     answers (every turn, rebuilt with the benchmark's own chat prompts), beside the benchmark's
     accepted-per-drafted rate of the same method; a folder that is not a benchmark run is refused."""
-    from moaspec.bench.agreement import agreement, bench_examples
+    from moaspec.bench.agreement import agreement, bench_examples, table
     from moaspec.bench.answers import answer_path, read_answers
     from moaspec.bench.suite import BenchConfig, run
 
@@ -302,7 +302,9 @@ def test_agreement_on_bench_answers(tmp_path):
     run(BenchConfig(model=cfg.model, methods=("plain", "moa"), tasks=("mtbench",), questions=1, max_new_tokens=8,
                     temperatures=(0.0,), tree="2,1,2", checkpoints=str(tmp_path / "run"), out=str(bench)))
     tr = Trainer(cfg)
-    examples = bench_examples(bench, tr.tokenizer)
+    by_task = bench_examples(bench, tr.tokenizer)
+    assert list(by_task) == ["mtbench"]
+    examples = by_task["mtbench"]
     record = next(iter(read_answers(answer_path(bench, "plain", 0.0)).values()))["choices"][0]
     assert len(examples) == 2  # both MT-Bench turns; the second prompt holds the first answer
     for ex, ids in zip(examples, record["token_ids"], strict=True):
@@ -312,9 +314,22 @@ def test_agreement_on_bench_answers(tmp_path):
     result = agreement(tmp_path / "run", bench)
     assert result["bench_answer_tokens"] == sum(record["new_tokens"])
     assert 0.0 <= result["bench_teacher_forced"]["moa"]["top1_by_depth"][1] <= 1.0
+    assert result["bench_teacher_forced"]["moa"] == {k: result["by_task"]["mtbench"]["moa"][k]
+                                                     for k in ("top1_by_depth", "rows_by_depth")}
+    assert sum(result["bench_teacher_forced"]["moa"]["rows_by_depth"].values()) > 0
+    assert "| mtbench |" in table(result) and "| all |" in table(result)
     assert 0.0 <= result["bench_accepted_per_drafted"]["moa"] <= 1.0
     with pytest.raises(UserError, match="not a `moaspec bench` output"):
         bench_examples(tmp_path / "run", tr.tokenizer)
+
+
+def test_agreement_pools_tasks_by_rows():
+    """Per-task agreements pool weighted by their rows at each depth, not averaged per task."""
+    from moaspec.bench.agreement import pooled
+
+    a = {"moa": {"top1_by_depth": {1: 0.5, 2: 0.25}, "rows_by_depth": {1: 10, 2: 4}}}
+    b = {"moa": {"top1_by_depth": {1: 0.2}, "rows_by_depth": {1: 30}}}
+    assert pooled([a, b]) == {"moa": {"top1_by_depth": {1: 0.275, 2: 0.25}, "rows_by_depth": {1: 40, 2: 4}}}
 
 
 def test_learning_curve_points_nest_are_saved_and_resume(tmp_path):

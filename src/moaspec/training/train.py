@@ -524,7 +524,9 @@ class Trainer:
             agree_t, depth_t = torch.cat(r["agree"]), torch.cat(r["depth"])
             by_depth = {d: round(agree_t[depth_t == d].float().mean().item(), 4) for d in range(1, 7)
                         if (depth_t == d).any()}
-            out[st.label] = {"loss": round(sum(r["loss"]) / max(1, len(r["loss"])), 5), "top1_by_depth": by_depth}
+            rows = {d: int((depth_t == d).sum()) for d in by_depth}
+            out[st.label] = {"loss": round(sum(r["loss"]) / max(1, len(r["loss"])), 5), "top1_by_depth": by_depth,
+                             "rows_by_depth": rows}
         return out
 
     # ------------------------------------------------------------------ checkpoints
