@@ -275,8 +275,13 @@ def test_upstream_gone_resets_the_client():
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         nobody = unused.getsockname()
-    with ShapingProxy(nobody, "none") as proxy, connect(proxy) as sock:
-        assert_cut(sock)
+    with ShapingProxy(nobody, "none") as proxy:
+        try:
+            sock = connect(proxy)
+        except ConnectionResetError:
+            return  # the reset came before connect() read the handshake's outcome (a loaded machine)
+        with sock:
+            assert_cut(sock)
 
 
 @pytest.mark.parametrize(
