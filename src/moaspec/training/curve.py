@@ -60,6 +60,7 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     labels = list(rows[0]["val"])
     fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), sharey=True, squeeze=False)
@@ -69,7 +70,14 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
             ys = [r["val"][label]["top1_by_depth"].get(depth, r["val"][label]["top1_by_depth"].get(int(depth)))
                   for r in rows]
             ax.plot(xs, ys, marker="o", label=f"depth {depth}")
+        ablation = [(r["tokens"], r["val_context_mean"][label]["top1_by_depth"]) for r in rows
+                    if label in r.get("val_context_mean", {})]
+        if ablation:  # MoA with every Cross-Attention row reading the mean context
+            ax.plot([x for x, _ in ablation], [d.get("1", d.get(1)) for _, d in ablation], "--", marker="x",
+                    color="C0", alpha=0.6, label="depth 1, mean context")
+            ax.legend()
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{label} ({model})")
         ax.set_xlabel("training tokens")
         ax.grid(alpha=0.3)
