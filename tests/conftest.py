@@ -50,9 +50,9 @@ def smol_tokenizer(smol_folder):
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     """A user message rendered with the model's chat template (generation prompt included)."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    from moaspec.models.store import chat_ids as render
+
+    return render(tokenizer, [{"role": "user", "content": text}])
 
 
 @pytest.fixture(scope="session")

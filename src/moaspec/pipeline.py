@@ -26,7 +26,7 @@ from moaspec.models import quant
 from moaspec.models.linear import QUANTISED, WeightMode
 from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Transformer
-from moaspec.models.store import cache_dir, load_tokenizer, resolve, weights_fingerprint
+from moaspec.models.store import cache_dir, chat_ids, load_tokenizer, resolve, weights_fingerprint
 from moaspec.threads import set_threads
 
 if TYPE_CHECKING:
@@ -285,13 +285,6 @@ class SpecDecoder:
             tokens += new
             finish = reason or finish
         return Generation("".join(parts), tokens, ids, finish, self.engine.metrics)
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of chat messages rendered with the tokenizer's template, ready for the answer (some
-    tokenizer versions return a mapping with input_ids, others the list)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def _is_ids(prompt: object) -> bool:

@@ -24,7 +24,7 @@ from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters import TRAINED, drafter_kind
 from moaspec.models.runtime import Transformer
-from moaspec.models.store import load_tokenizer, resolve
+from moaspec.models.store import chat_ids, load_tokenizer, resolve
 from moaspec.pipeline import SpecDecoder
 
 PROMPTS = [
@@ -170,9 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"model": a.model, "threads": torch.get_num_threads()}
     parts = a.parts.split(",")
     if "decode" in parts:
-        ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
-                                      tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = chat_ids(tok, [{"role": "user", "content": PROMPTS[0]}])
         result["decode"] = decode_speed(folder, ids, a.new_tokens, a.rounds)
         print(json.dumps({"decode": result["decode"]}), flush=True)
     if "scoring" in parts:
