@@ -55,6 +55,11 @@ def run(cfg: TrainConfig, points: list[int]) -> dict:
     return {"points": rows}
 
 
+def at_depth(by_depth: dict, depth: int) -> float | None:
+    """A `top1_by_depth` entry whether its keys are ints (fresh) or strings (read back from JSON)."""
+    return by_depth.get(depth, by_depth.get(str(depth)))
+
+
 def plot(rows: list[dict], path: Path, model: str) -> None:
     import matplotlib
 
@@ -65,15 +70,14 @@ def plot(rows: list[dict], path: Path, model: str) -> None:
     labels = list(rows[0]["val"])
     fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), sharey=True, squeeze=False)
     for ax, label in zip(axes[0], labels, strict=True):
-        for depth in ("1", "2", "3", "6"):
+        for depth in (1, 2, 3, 6):
             xs = [r["tokens"] for r in rows]
-            ys = [r["val"][label]["top1_by_depth"].get(depth, r["val"][label]["top1_by_depth"].get(int(depth)))
-                  for r in rows]
+            ys = [at_depth(r["val"][label]["top1_by_depth"], depth) for r in rows]
             ax.plot(xs, ys, marker="o", label=f"depth {depth}")
         ablation = [(r["tokens"], r["val_context_mean"][label]["top1_by_depth"]) for r in rows
                     if label in r.get("val_context_mean", {})]
         if ablation:  # MoA with every Cross-Attention row reading the mean context
-            ax.plot([x for x, _ in ablation], [d.get("1", d.get(1)) for _, d in ablation], "--", marker="x",
+            ax.plot([x for x, _ in ablation], [at_depth(d, 1) for _, d in ablation], "--", marker="x",
                     color="C0", alpha=0.6, label="depth 1, mean context")
             ax.legend()
         ax.set_xscale("log")
