@@ -13,7 +13,7 @@ from moaspec.drafters import moa
 from moaspec.errors import UserError
 from moaspec.training import data as D
 from moaspec.training import prompts as P
-from moaspec.training.train import TrainConfig, Trainer, export, lr_at, student_specs, top_vocab
+from moaspec.training.train import TrainConfig, Trainer, export, lr_at, run_config, student_specs, top_vocab
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 
@@ -84,6 +84,31 @@ def test_data_builder_resumes_without_duplicates(tmp_path):
         D.Builder(D.DataConfig(model="smollm2-135m", prompts=41), tmp_path)
 
 
+def test_self_chat_writes_requests_and_follow_ups(tmp_path):
+    """Self-chat: the target writes each request after an opening word, answers it, and for some
+    conversations writes a follow-up that sees the first answer; prompts are chat-rendered up to the
+    last answer; a rerun writes nothing twice."""
+    cfg = D.DataConfig(model="smollm2-135m", tokens=1200, text_fraction=0.0, self_fraction=1.0, max_new_tokens=24,
+                       engine="transformers", parallel=4, shard_tokens=600, seed=3)
+    manifest = D.Builder(cfg, tmp_path).run()
+    folder = tmp_path / cfg.folder_name()
+    rows = D.load(folder)
+    assert rows and manifest["tokens"] >= 1200 and set(manifest["sources"]) == {"self"}
+    assert {r.kind for r in rows} <= {"self-chat1", "self-chat2"} and {r.mode for r in rows} <= {"greedy", "sampled"}
+    tok = D.Builder(cfg, tmp_path).tok
+    openers = tuple(P.OPENERS)
+    for r in rows:
+        prompt = tok.decode(r.ids[:r.prompt_len])
+        users = [t.split("<|im_end|>")[0].strip() for t in prompt.split("<|im_start|>user\n")[1:]]
+        assert len(users) == int(r.kind[-1]) and users[0].startswith(openers)
+        assert prompt.endswith("<|im_start|>assistant\n")  # the generation prompt, as decoding renders it
+        if r.kind == "self-chat2":
+            assert users[1].startswith(tuple(P.FOLLOW_UPS)) and prompt.count("<|im_start|>assistant") == 2
+    cfg.tokens = manifest["tokens"]
+    D.Builder(cfg, tmp_path).run()  # the goal is reached: nothing new
+    assert [r.id for r in D.load(folder)] == [r.id for r in rows]
+
+
 def test_lr_schedule_warms_up_then_decays():
     cfg = TrainConfig(steps=100, warmup=10, lr=1e-3, lr_min=1e-5)
     lrs = [lr_at(s, cfg) for s in range(100)]
@@ -134,6 +159,18 @@ def test_training_lowers_validation_loss(tmp_path):
         assert json.loads((p / "config.json").read_text())["dtype"] == "fp16" and (p / "training.json").exists()
     fresh = moa.load(tmp_path / "ship" / "moa-n1", tr.target, cfg.model, tr.drafter.cfg.target_fingerprint)
     assert fresh.cfg.tli_layers == 1
+
+    # exported drafters are a run too: their config for bench.agreement, and the start of a fine-tune
+    saved = run_config(tmp_path / "ship")
+    assert (saved["model"], saved["kind"], saved["tli_layers"]) == (cfg.model, "moa,eagle,independent", "0,1")
+    tuned = Trainer(TrainConfig(**{**saved, "data": str(data), "out": str(tmp_path / "ft"), "max_len": 96,
+                                   "val_sequences": 6, "init": str(tmp_path / "ship")}))
+    for st, old in zip(tuned.students, tr.students, strict=True):
+        assert torch.equal(st.drafter.vocab_ids, old.drafter.vocab_ids)
+        for (name, a), b in zip(st.drafter.state_dict().items(), old.drafter.state_dict().values(), strict=True):
+            assert torch.allclose(a.float(), b.float(), atol=2e-3, rtol=2e-3), (st.label, name)  # fp16 copies
+    with pytest.raises(UserError, match="neither a training run"):
+        run_config(tmp_path / "ft")
 
 
 def test_student_specs():
@@ -315,7 +352,7 @@ def test_agreement_on_bench_answers(tmp_path):
     assert result["bench_answer_tokens"] == sum(record["new_tokens"])
     assert 0.0 <= result["bench_teacher_forced"]["moa"]["top1_by_depth"][1] <= 1.0
     assert result["bench_teacher_forced"]["moa"] == {k: result["by_task"]["mtbench"]["moa"][k]
-                                                     for k in ("top1_by_depth", "rows_by_depth")}
+                                                     for k in ("top1_by_depth", "rows_by_depth", "agreed_by_depth")}
     assert sum(result["bench_teacher_forced"]["moa"]["rows_by_depth"].values()) > 0
     assert "| mtbench |" in table(result) and "| all |" in table(result)
     assert 0.0 <= result["bench_accepted_per_drafted"]["moa"] <= 1.0
@@ -327,9 +364,10 @@ def test_agreement_pools_tasks_by_rows():
     """Per-task agreements pool weighted by their rows at each depth, not averaged per task."""
     from moaspec.bench.agreement import pooled
 
-    a = {"moa": {"top1_by_depth": {1: 0.5, 2: 0.25}, "rows_by_depth": {1: 10, 2: 4}}}
-    b = {"moa": {"top1_by_depth": {1: 0.2}, "rows_by_depth": {1: 30}}}
-    assert pooled([a, b]) == {"moa": {"top1_by_depth": {1: 0.275, 2: 0.25}, "rows_by_depth": {1: 40, 2: 4}}}
+    a = {"moa": {"top1_by_depth": {1: 0.5, 2: 0.25}, "rows_by_depth": {1: 10, 2: 4}, "agreed_by_depth": {1: 5, 2: 1}}}
+    b = {"moa": {"top1_by_depth": {1: 0.2}, "rows_by_depth": {1: 30}, "agreed_by_depth": {1: 6}}}
+    assert pooled([a, b]) == {"moa": {"top1_by_depth": {1: 0.275, 2: 0.25}, "rows_by_depth": {1: 40, 2: 4},
+                                      "agreed_by_depth": {1: 11, 2: 1}}}
 
 
 def test_learning_curve_points_nest_are_saved_and_resume(tmp_path):

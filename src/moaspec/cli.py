@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokens", type=int, default=1_000_000, help="distinct tokens to reach, both sources")
     d.add_argument("--text-fraction", type=float, default=0.5,
                    help="share of the tokens from existing code and documentation (no generation needed)")
+    d.add_argument("--self-chat", type=float, default=0.0, metavar="FRACTION",
+                   help="share of the generated tokens from self-chat: the target writes the requests too "
+                        "(one or two turns), instead of answering template and file prompts")
     d.add_argument("--prompts", type=int, default=30_000, help="size of the prompt pool generation draws from")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--max-new-tokens", type=int, default=1024)
@@ -145,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=6e-4)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--val-every", type=int, default=100)
+    tr.add_argument("--init", default="",
+                    help="fine-tune: start each drafter from INIT/<label> (a run, a curve point, or checkpoints "
+                         "such as src/moaspec/checkpoints/<model>)")
     tr.set_defaults(func=cmd_train)
 
     e = sub.add_parser("export", help="copy a finished training run's drafters as fp16 checkpoints "
@@ -613,7 +619,8 @@ def cmd_data(args: argparse.Namespace) -> int:
     from moaspec.training.data import Builder, DataConfig
 
     _check_model_name(args.model, "--model")
-    cfg = DataConfig(model=args.model, tokens=args.tokens, text_fraction=args.text_fraction, prompts=args.prompts,
+    cfg = DataConfig(model=args.model, tokens=args.tokens, text_fraction=args.text_fraction,
+                     self_fraction=args.self_chat, prompts=args.prompts,
                      seed=args.seed, max_new_tokens=args.max_new_tokens, engine=args.engine, parallel=args.parallel,
                      threads=args.threads)
     budget = None if args.time_budget is None else args.time_budget * 60
@@ -628,7 +635,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(model=args.model, data=args.data, out=args.out, kind=args.kind, tli_layers=args.tli,
                       vocab_ids=args.vocab, steps=args.steps, epochs=args.epochs, data_tokens=args.data_tokens,
                       feature_cache=not args.no_feature_cache, batch_size=args.batch_size, max_len=args.max_len,
-                      lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device)
+                      lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device, init=args.init)
     result = Trainer(cfg).run()
     print(json.dumps(result))
     return EXIT_INTERRUPT if result["stopped"] else 0  # saved; the same command resumes

@@ -18,8 +18,7 @@ from pathlib import Path
 from moaspec.bench.answers import answer_path, read_answers
 from moaspec.bench.tasks import load_tasks
 from moaspec.errors import UserError
-from moaspec.models.store import load_tokenizer, resolve
-from moaspec.pipeline import chat_ids
+from moaspec.models.store import chat_ids, load_tokenizer, resolve
 from moaspec.training.train import Example, TrainConfig, Trainer, run_config
 
 
@@ -81,22 +80,24 @@ def agreement(run: Path, bench: Path, every: int = 1) -> dict:
 
 
 def pooled(parts) -> dict[str, dict]:
-    """`Trainer.validate` results of disjoint example sets merged: agreement weighted by rows per depth."""
+    """`Trainer.validate` results of disjoint example sets merged: agreed rows over rows, per depth."""
     out: dict[str, dict] = {}
     for part in parts:
         for label, r in part.items():
-            acc = out.setdefault(label, {"agree": {}, "rows": {}})
+            acc = out.setdefault(label, {"agreed": {}, "rows": {}})
             for d, rows in r["rows_by_depth"].items():
-                acc["agree"][d] = acc["agree"].get(d, 0.0) + r["top1_by_depth"][d] * rows
+                acc["agreed"][d] = acc["agreed"].get(d, 0) + r["agreed_by_depth"][d]
                 acc["rows"][d] = acc["rows"].get(d, 0) + rows
-    return {label: {"top1_by_depth": {d: round(a / acc["rows"][d], 4) for d, a in sorted(acc["agree"].items())},
-                    "rows_by_depth": dict(sorted(acc["rows"].items()))} for label, acc in out.items()}
+    return {label: {"top1_by_depth": {d: round(a / acc["rows"][d], 4) for d, a in sorted(acc["agreed"].items())},
+                    "rows_by_depth": dict(sorted(acc["rows"].items())),
+                    "agreed_by_depth": dict(sorted(acc["agreed"].items()))} for label, acc in out.items()}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True,
-                   help="a training run folder, or a learning curve's point (runs/X/points/<budget>)")
+                   help="a training run folder, a learning curve's point (runs/X/points/<budget>), or exported "
+                        "drafters (src/moaspec/checkpoints/<model>)")
     p.add_argument("--bench", required=True, help="a `moaspec bench` output folder with plain at T=0")
     p.add_argument("--every", type=int, default=1,
                    help="verified context every N rows: 1 scores every row at depth 1, 7 gives depths 1-6")

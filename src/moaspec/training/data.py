@@ -25,7 +25,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +33,14 @@ from tqdm import tqdm
 
 from moaspec.contamination import Contamination
 from moaspec.errors import UserError
-from moaspec.models.store import resolve, weights_fingerprint
+from moaspec.models.store import chat_ids, resolve, weights_fingerprint
 from moaspec.training import corpus
-from moaspec.training.prompts import Prompt, build_prompts, eval_texts
+from moaspec.training.prompts import FOLLOW_UPS, OPENERS, Prompt, build_prompts, eval_texts
 
 DATA_VERSION = 2
-SOURCES = ("gen", "text")
+SOURCES = ("gen", "text", "self")
+SELF_USER_TOKENS = 160  # longest request the target may write for itself in self-chat
+SELF_FOLLOW_UP = 0.5  # share of self-chat conversations that get a second request
 
 
 @dataclass
@@ -46,6 +48,7 @@ class DataConfig:
     model: str = "smollm2-135m"
     tokens: int = 1_000_000  # distinct tokens to reach (prompts and answers, both sources)
     text_fraction: float = 0.5  # share of `tokens` from existing text
+    self_fraction: float = 0.0  # share of the generated tokens from self-chat (requests the target writes)
     prompts: int = 30_000  # the pool of prompts drawn from; generation stops at the token goal
     seed: int = 0
     max_new_tokens: int = 1024
@@ -60,9 +63,11 @@ class DataConfig:
     shard_tokens: int = 100_000
 
     def __post_init__(self) -> None:
-        if self.tokens < 1 or not 0.0 <= self.text_fraction <= 1.0 or self.max_new_tokens < 1:
+        if (self.tokens < 1 or not 0.0 <= self.text_fraction <= 1.0 or not 0.0 <= self.self_fraction <= 1.0
+                or self.max_new_tokens < 1):
             raise UserError(f"bad data config: tokens {self.tokens} >= 1, text_fraction {self.text_fraction} "
-                            f"in [0, 1], max_new_tokens {self.max_new_tokens} >= 1")
+                            f"and self_fraction {self.self_fraction} in [0, 1], max_new_tokens "
+                            f"{self.max_new_tokens} >= 1")
         if self.engine not in ("auto", "llama.cpp", "transformers"):
             raise UserError(f"unknown engine {self.engine!r}; choose auto, llama.cpp or transformers")
 
@@ -145,6 +150,18 @@ class ShardWriter:
             self.rows = []
 
 
+@dataclass
+class _Chat:
+    """One self-chat conversation being built."""
+
+    id: str
+    rng: random.Random
+    turns: int
+    sampled: bool  # answers sampled at the config's temperature, else greedy
+    messages: list[dict] = field(default_factory=list)
+    sequence: Sequence | None = None  # the conversation so far, ending with the target's last answer
+
+
 # ---------------------------------------------------------------- building
 class Builder:
     def __init__(self, cfg: DataConfig, out_root: Path):
@@ -177,10 +194,8 @@ class Builder:
     def chat(self, user: str, assistant: str | None = None) -> list[int]:
         msgs = [{"role": "user", "content": user}]
         if assistant is None:
-            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        else:
-            ids = self.tok.apply_chat_template([*msgs, {"role": "assistant", "content": assistant}], tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return chat_ids(self.tok, msgs)
+        return chat_ids(self.tok, [*msgs, {"role": "assistant", "content": assistant}], generation_prompt=False)
 
     # -------------------------------------------------------------- text
     def text_sequences(self, rng: random.Random) -> Iterator[Sequence]:
@@ -299,13 +314,95 @@ class Builder:
             bar.close()
         return time.time() - t0
 
+    # -------------------------------------------------------------- self-chat
+    def user_prefix(self, messages: list[dict], opening: str) -> list[int]:
+        """The chat so far and the opening words of the next request: the target writes the rest."""
+        mark = "\x1f"
+        text = self.tok.apply_chat_template([*messages, {"role": "user", "content": mark}], tokenize=False)
+        return self.tok(text[:text.index(mark)] + opening, add_special_tokens=False)["input_ids"]
+
+    def build_self(self, goal: int, time_budget_s: float | None) -> float:
+        """Self-chat (Magpie-style) until `goal` tokens: the target writes a request after an opening
+        (prompts.OPENERS) and answers it; for half of the conversations it writes a follow-up
+        (prompts.FOLLOW_UPS) and answers that too, as the second turn of a chat. One sequence per
+        conversation, its prompt everything before the last answer. Returns the seconds spent."""
+        have = self.have["self"]
+        if have >= goal:
+            return 0.0
+        gen = self.engine()
+        writer = ShardWriter(self.out, "self", self.cfg.shard_tokens)
+        bar = tqdm(total=goal, initial=have, desc=f"self-chat ({gen.name})", unit="tok", unit_scale=True)
+        t0, new, index = time.time(), 0, 0
+        try:
+            while have < goal and (time_budget_s is None or time.time() - t0 < time_budget_s):
+                chats: list[_Chat] = []
+                while len(chats) < self.cfg.parallel * 8:
+                    sid = f"self-{self.cfg.seed}-{index:07d}"
+                    index += 1
+                    if sid not in self.done:
+                        rng = random.Random(sid)
+                        chats.append(_Chat(sid, rng, 2 if rng.random() < SELF_FOLLOW_UP else 1,
+                                           rng.random() < self.cfg.sampled_fraction))
+                self.converse(gen, chats)
+                for c in chats:
+                    if c.sequence is not None:
+                        writer.add(c.sequence)
+                        have += len(c.sequence.ids)
+                        new += len(c.sequence.ids) - c.sequence.prompt_len
+                        bar.update(len(c.sequence.ids))
+                bar.set_postfix(answer_tok_s=f"{new / (time.time() - t0):.1f}")
+                writer.flush()
+        finally:
+            gen.close()
+            bar.close()
+        return time.time() - t0
+
+    def converse(self, gen, chats: list[_Chat]) -> None:
+        """Up to two turns of each chat, all chats of a round batched per stage (request, then answer)."""
+        from moaspec.training.generators import Request
+
+        cfg = self.cfg
+        for turn in (1, 2):
+            chats = [c for c in chats if c.turns >= turn and (turn == 1 or c.sequence is not None)]
+            openings = {c.id: c.rng.choice(OPENERS if turn == 1 else FOLLOW_UPS) for c in chats}
+            asks = [Request(c.id, self.user_prefix(c.messages, openings[c.id]), 1.0, c.rng.randrange(2**31))
+                    for c in chats]
+            requests: dict[str, str] = {}
+            for a in gen.generate(asks, SELF_USER_TOKENS):
+                text = (openings[a.key] + self.tok.decode(a.tokens, skip_special_tokens=True)).strip()
+                if a.finished and len(text.split()) >= 4 and not self.check(text):
+                    requests[a.key] = text
+            answers, prompts = [], {}
+            for c in chats:
+                if c.id in requests:
+                    prompt = chat_ids(self.tok, [*c.messages, {"role": "user", "content": requests[c.id]}])
+                    if len(prompt) <= cfg.max_prompt_tokens:
+                        prompts[c.id] = prompt
+                        answers.append(Request(c.id, prompt, cfg.temperature if c.sampled else 0.0,
+                                               c.rng.randrange(2**31)))
+            by_id = {c.id: c for c in chats}
+            for a in gen.generate(answers, cfg.max_new_tokens):
+                text = self.tok.decode(a.tokens, skip_special_tokens=True)
+                if not text.strip() or self.check(text) or (turn == 2 and not a.finished):
+                    continue
+                c = by_id[a.key]
+                c.messages += [{"role": "user", "content": requests[c.id]}, {"role": "assistant", "content": text}]
+                c.sequence = Sequence(c.id, f"self-chat{turn}", prompts[c.id] + a.tokens, len(prompts[c.id]),
+                                      a.finished, "sampled" if c.sampled else "greedy")
+            if turn == 1:  # a cut first answer gets no follow-up
+                chats = [c for c in chats if c.sequence is not None and c.sequence.finished]
+
     def run(self, time_budget_s: float | None = None) -> dict:
         cfg = self.cfg
         t0 = time.time()
         self.build_text(int(cfg.tokens * cfg.text_fraction))
         text_s = time.time() - t0
         left = None if time_budget_s is None else max(0.0, time_budget_s - text_s)
-        gen_s = self.build_gen(cfg.tokens - int(cfg.tokens * cfg.text_fraction), left)
+        generated = cfg.tokens - int(cfg.tokens * cfg.text_fraction)
+        own = int(generated * cfg.self_fraction)
+        gen_s = self.build_gen(generated - own, left)
+        left = None if left is None else max(0.0, left - gen_s)
+        gen_s += self.build_self(own, left)
         with (self.out / "build_log.jsonl").open("a") as f:
             f.write(json.dumps({"text_seconds": round(text_s, 1), "gen_seconds": round(gen_s, 1),
                                 "engine": cfg.engine, "threads": cfg.threads, "parallel": cfg.parallel}) + "\n")
@@ -342,7 +439,7 @@ def finalise(out: Path) -> dict:
     per: dict[str, dict] = {}
     for r in rows:
         split = "val" if is_val(r.id, cfg.val_fraction) else "train"
-        d = per.setdefault(r.kind.split("-")[0] if r.kind.startswith("text") else "gen", {})
+        d = per.setdefault(r.kind.split("-")[0] if r.kind.startswith(("text", "self")) else "gen", {})
         for k, v in ((f"{split}_sequences", 1), (f"{split}_tokens", len(r.ids)),
                      (f"{split}_answer_tokens", len(r.ids) - r.prompt_len), ("finished", int(r.finished))):
             d[k] = d.get(k, 0) + v
@@ -353,8 +450,8 @@ def finalise(out: Path) -> dict:
         "seed": cfg.seed, "tokens": total, "goal": cfg.tokens, "complete": total >= cfg.tokens, "sources": per,
         "kinds": dict(sorted(Counter(r.kind for r in rows).items())),
         "generation_seconds": round(gen_s, 1),
-        "answer_tokens_per_s": round(sum(v for k, v in per.get("gen", {}).items() if k.endswith("answer_tokens"))
-                                     / gen_s, 1) if gen_s else None,
+        "answer_tokens_per_s": round(sum(v for src in ("gen", "self") for k, v in per.get(src, {}).items()
+                                         if k.endswith("answer_tokens")) / gen_s, 1) if gen_s else None,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest

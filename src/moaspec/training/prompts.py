@@ -223,6 +223,16 @@ def synthetic_prompts(rng: random.Random, limit: int) -> list[Prompt]:
     return out
 
 
+# Self-chat (Magpie-style): the target writes the user's request itself after one of these openings,
+# so the requests range as widely as what the target has seen users ask, not as a template list does.
+OPENERS = ["Write", "Compose", "Draft", "Imagine you are", "Explain", "Describe", "Summarise", "Give me", "How do I",
+           "What is", "Why", "Can you", "Create", "Help me", "Suggest", "Compare", "I need", "Plan", "List",
+           "Pretend", "Act as", "Tell me", "Design", "Outline", "Rewrite", "Analyse", "Solve", "Read", "Edit",
+           "Evaluate", "Generate", "Brainstorm", "Please", "I am", "My", "Is it", "Which", "In"]
+FOLLOW_UPS = ["Now", "Rewrite", "Make it", "Can you", "Shorten", "Expand", "Turn", "Critique", "What if", "Add",
+              "Explain", "Please", "Great", "Thanks", "Could you", "Use", "Change", "Why", "Give", "Summarise"]
+
+
 def _pid(kind: str, text: str) -> str:
     return kind + "-" + hashlib.sha1(text.encode()).hexdigest()[:12]
 

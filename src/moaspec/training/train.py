@@ -69,6 +69,7 @@ class TrainConfig:
     feature_cache: bool = True
     match_params: bool = True  # EAGLE-2's MLP sized so that it has MoA N=0's trainable parameter count
     device: str = "cpu"  # "cuda" (the target's features computed there, drafters under bf16 autocast)
+    init: str = ""  # fine-tuning: every drafter starts from <init>/<label> (a run, a curve point, checkpoints)
 
 
 @dataclass
@@ -263,6 +264,11 @@ class Trainer:
             params = [p for p in drafter.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
             self.students.append(Student(label, kind, n, drafter, opt))
+        if cfg.init:  # the drafters' own trimmed vocabulary comes with them
+            self.load_drafters(Path(cfg.init))
+            if len({tuple(st.drafter.vocab_ids.tolist()) for st in self.students}) > 1:
+                raise UserError(f"the drafters in {cfg.init} were trained on different data (their trimmed "
+                                "vocabularies differ): fine-tune them in separate runs (--kind/--tli)")
         self.layers = tuple(sorted({L} | {L - s.tli for s in self.students}))
         self.caches = {}
         if cfg.feature_cache:
@@ -525,8 +531,9 @@ class Trainer:
             by_depth = {d: round(agree_t[depth_t == d].float().mean().item(), 4) for d in range(1, 7)
                         if (depth_t == d).any()}
             rows = {d: int((depth_t == d).sum()) for d in by_depth}
+            agreed = {d: int(agree_t[depth_t == d].sum()) for d in by_depth}
             out[st.label] = {"loss": round(sum(r["loss"]) / max(1, len(r["loss"])), 5), "top1_by_depth": by_depth,
-                             "rows_by_depth": rows}
+                             "rows_by_depth": rows, "agreed_by_depth": agreed}
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -573,16 +580,36 @@ class Trainer:
 
 
 def run_config(run: str | Path) -> dict:
-    """The `TrainConfig` (as a dict) of a training run folder (trainer.pt) or of a learning curve's
-    point (point.json)."""
+    """The `TrainConfig` (as a dict) of a training run folder (trainer.pt), of a learning curve's
+    point (point.json), or of a folder of exported drafters (the shipped checkpoints: those trained
+    side by side with `moa`, or with the first drafter, as their config.json and training.json say)."""
     run = Path(run)
     try:
         if (run / "point.json").exists():
             return json.loads((run / "point.json").read_text())["config"]
+        if not (run / "trainer.pt").exists() and run.is_dir():
+            exported = _exported_config(run)
+            if exported is not None:
+                return exported
         return torch.load(run / "trainer.pt", weights_only=False)["config"]
     except (OSError, KeyError, RuntimeError, ValueError) as e:
         raise UserError(f"{run} is neither a training run folder (readable trainer.pt) nor a learning "
                         f"curve's point (point.json): {e}") from None
+
+
+def _exported_config(folder: Path) -> dict | None:
+    labels = sorted(p.name for p in folder.iterdir()
+                    if (p / "training.json").is_file() and (p / "config.json").is_file())
+    if not labels:
+        return None
+    info = json.loads((folder / ("moa" if "moa" in labels else labels[0]) / "training.json").read_text())
+    together = [label for label in info.get("trained_with", labels) if label in labels]
+    configs = [json.loads((folder / label / "config.json").read_text()) for label in together]
+    kinds = [k for k in KINDS if any(c["kind"] == k for c in configs)]
+    tlis = sorted({c.get("tli_layers", 0) for c in configs if c["kind"] == "moa"}) or [0]
+    return {**asdict(TrainConfig()), "model": configs[0]["target_name"], "data": info["data"],
+            "kind": ",".join(kinds), "tli_layers": ",".join(map(str, tlis)), "vocab_ids": configs[0]["vocab_ids"],
+            "max_len": info.get("max_len", TrainConfig.max_len), "batch_size": info.get("batch_size", 4)}
 
 
 def export(run: str | Path, dest: str | Path | None = None) -> list[Path]:
