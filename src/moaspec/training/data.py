@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -40,6 +41,7 @@ from moaspec.training.prompts import FOLLOW_UPS, OPENERS, Prompt, build_prompts,
 DATA_VERSION = 2
 SOURCES = ("gen", "text", "self")
 SELF_USER_TOKENS = 160  # longest request the target may write for itself in self-chat
+SELF_USER_TEMPERATURE = 0.8  # at 1.0 a 0.5B target drifts into mixed languages within a request
 SELF_FOLLOW_UP = 0.5  # share of self-chat conversations that get a second request
 
 
@@ -184,6 +186,7 @@ class Builder:
         self.eos = eos if isinstance(eos, int) and eos >= 0 and eos != self.tok.unk_token_id else \
             self.tok.eos_token_id
         self.check = Contamination(eval_texts())
+        self.lock = threading.Lock()
         self.done: set[str] = set()
         self.have = dict.fromkeys(SOURCES, 0)  # tokens each source holds, read once
         for source in SOURCES:
@@ -325,7 +328,11 @@ class Builder:
         """Self-chat (Magpie-style) until `goal` tokens: the target writes a request after an opening
         (prompts.OPENERS) and answers it; for half of the conversations it writes a follow-up
         (prompts.FOLLOW_UPS) and answers that too, as the second turn of a chat. One sequence per
-        conversation, its prompt everything before the last answer. Returns the seconds spent."""
+        conversation, its prompt everything before the last answer. `parallel` conversations run at
+        once, each its own chain of requests, so that no engine slot waits for a stage of the others.
+        Returns the seconds spent."""
+        from concurrent.futures import ThreadPoolExecutor
+
         have = self.have["self"]
         if have >= goal:
             return 0.0
@@ -334,63 +341,58 @@ class Builder:
         bar = tqdm(total=goal, initial=have, desc=f"self-chat ({gen.name})", unit="tok", unit_scale=True)
         t0, new, index = time.time(), 0, 0
         try:
-            while have < goal and (time_budget_s is None or time.time() - t0 < time_budget_s):
-                chats: list[_Chat] = []
-                while len(chats) < self.cfg.parallel * 8:
-                    sid = f"self-{self.cfg.seed}-{index:07d}"
-                    index += 1
-                    if sid not in self.done:
-                        rng = random.Random(sid)
-                        chats.append(_Chat(sid, rng, 2 if rng.random() < SELF_FOLLOW_UP else 1,
-                                           rng.random() < self.cfg.sampled_fraction))
-                self.converse(gen, chats)
-                for c in chats:
-                    if c.sequence is not None:
-                        writer.add(c.sequence)
-                        have += len(c.sequence.ids)
-                        new += len(c.sequence.ids) - c.sequence.prompt_len
-                        bar.update(len(c.sequence.ids))
-                bar.set_postfix(answer_tok_s=f"{new / (time.time() - t0):.1f}")
-                writer.flush()
+            with ThreadPoolExecutor(self.cfg.parallel) as pool:
+                while have < goal and (time_budget_s is None or time.time() - t0 < time_budget_s):
+                    chats: list[_Chat] = []
+                    while len(chats) < self.cfg.parallel * 4:  # a round; the budget is checked between rounds
+                        sid = f"self-{self.cfg.seed}-{index:07d}"
+                        index += 1
+                        if sid not in self.done:
+                            rng = random.Random(sid)
+                            chats.append(_Chat(sid, rng, 2 if rng.random() < SELF_FOLLOW_UP else 1,
+                                               rng.random() < self.cfg.sampled_fraction))
+                    for c in pool.map(lambda c: self.converse(gen, c), chats):
+                        if c.sequence is not None:
+                            writer.add(c.sequence)
+                            have += len(c.sequence.ids)
+                            new += len(c.sequence.ids) - c.sequence.prompt_len
+                            bar.update(len(c.sequence.ids))
+                    bar.set_postfix(answer_tok_s=f"{new / (time.time() - t0):.1f}")
+                    writer.flush()
         finally:
             gen.close()
             bar.close()
         return time.time() - t0
 
-    def converse(self, gen, chats: list[_Chat]) -> None:
-        """Up to two turns of each chat, all chats of a round batched per stage (request, then answer)."""
+    def converse(self, gen, c: _Chat) -> _Chat:
+        """Up to `c.turns` turns of one chat: a request the target writes, then its answer; stops at the
+        first request or answer that is cut, too short or overlaps a benchmark."""
         from moaspec.training.generators import Request
 
         cfg = self.cfg
-        for turn in (1, 2):
-            chats = [c for c in chats if c.turns >= turn and (turn == 1 or c.sequence is not None)]
-            openings = {c.id: c.rng.choice(OPENERS if turn == 1 else FOLLOW_UPS) for c in chats}
-            asks = [Request(c.id, self.user_prefix(c.messages, openings[c.id]), 1.0, c.rng.randrange(2**31))
-                    for c in chats]
-            requests: dict[str, str] = {}
-            for a in gen.generate(asks, SELF_USER_TOKENS):
-                text = (openings[a.key] + self.tok.decode(a.tokens, skip_special_tokens=True)).strip()
-                if a.finished and len(text.split()) >= 4 and not self.check(text):
-                    requests[a.key] = text
-            answers, prompts = [], {}
-            for c in chats:
-                if c.id in requests:
-                    prompt = chat_ids(self.tok, [*c.messages, {"role": "user", "content": requests[c.id]}])
-                    if len(prompt) <= cfg.max_prompt_tokens:
-                        prompts[c.id] = prompt
-                        answers.append(Request(c.id, prompt, cfg.temperature if c.sampled else 0.0,
-                                               c.rng.randrange(2**31)))
-            by_id = {c.id: c for c in chats}
-            for a in gen.generate(answers, cfg.max_new_tokens):
+        for turn in range(1, c.turns + 1):
+            opening = c.rng.choice(OPENERS if turn == 1 else FOLLOW_UPS)
+            with self.lock:  # a fast tokenizer is not safe to share between threads
+                ask = Request(c.id, self.user_prefix(c.messages, opening), SELF_USER_TEMPERATURE,
+                              c.rng.randrange(2**31))
+            (a,) = gen.generate([ask], SELF_USER_TOKENS)
+            with self.lock:
+                request = (opening + self.tok.decode(a.tokens, skip_special_tokens=True)).strip()
+                prompt = chat_ids(self.tok, [*c.messages, {"role": "user", "content": request}])
+            if not a.finished or len(request.split()) < 4 or self.check(request) or len(prompt) > cfg.max_prompt_tokens:
+                break
+            (a,) = gen.generate([Request(c.id, prompt, cfg.temperature if c.sampled else 0.0,
+                                         c.rng.randrange(2**31))], cfg.max_new_tokens)
+            with self.lock:
                 text = self.tok.decode(a.tokens, skip_special_tokens=True)
-                if not text.strip() or self.check(text) or (turn == 2 and not a.finished):
-                    continue
-                c = by_id[a.key]
-                c.messages += [{"role": "user", "content": requests[c.id]}, {"role": "assistant", "content": text}]
-                c.sequence = Sequence(c.id, f"self-chat{turn}", prompts[c.id] + a.tokens, len(prompts[c.id]),
-                                      a.finished, "sampled" if c.sampled else "greedy")
-            if turn == 1:  # a cut first answer gets no follow-up
-                chats = [c for c in chats if c.sequence is not None and c.sequence.finished]
+            if not text.strip() or self.check(text):
+                break
+            c.messages += [{"role": "user", "content": request}, {"role": "assistant", "content": text}]
+            c.sequence = Sequence(c.id, f"self-chat{turn}", prompt + a.tokens, len(prompt), a.finished,
+                                  "sampled" if c.sampled else "greedy")
+            if not a.finished:  # a cut answer gets no follow-up
+                break
+        return c
 
     def run(self, time_budget_s: float | None = None) -> dict:
         cfg = self.cfg
