@@ -48,10 +48,15 @@ bench: setup
 LLAMA_PY  := 0.3.36
 LLAMA_DIR := $(or $(MOASPEC_HOME),$(HOME)/.cache/moaspec)/llama.cpp
 LLAMA_SRC := $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_PY)/vendor/llama.cpp
+# Some VMs advertise AMX that faults on first use (tilezero: illegal instruction); ggml's AMX kernels
+# would be compiled in by -march=native (its feature macros; undefining them keeps them out, whatever
+# order the flags come in). AVX-512/AVX2 kernels are unaffected.
+NO_AMX    := -U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__
 llama-cpp: setup
 	mkdir -p $(LLAMA_DIR)
 	test -d $(LLAMA_SRC) || ($(BIN)/python -m pip download --no-deps --no-binary :all: \
 		llama-cpp-python==$(LLAMA_PY) -d $(LLAMA_DIR) && tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_PY).tar.gz -C $(LLAMA_DIR))
 	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON \
+		-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"
 	cmake --build $(LLAMA_DIR)/build -j2 --target llama-completion llama-speculative-simple llama-lookup llama-server
