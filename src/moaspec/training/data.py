@@ -134,16 +134,29 @@ def load(folder: str | Path, split: str | None = None, val_fraction: float | Non
 
 
 class ShardWriter:
-    """Buffers sequences of one source and writes a new shard every `shard_tokens` tokens."""
+    """Buffers sequences of one source, writes a new shard every `shard_tokens` tokens, and shows the
+    tokens the source holds against its goal (and the answer tokens a second written since it began)."""
 
-    def __init__(self, folder: Path, source: str, shard_tokens: int):
+    def __init__(self, folder: Path, source: str, shard_tokens: int, have: int, goal: int, desc: str):
         self.folder, self.source, self.shard_tokens = folder, source, shard_tokens
         self.rows: list[Sequence] = []
+        self.have, self.answer_tokens, self.t0 = have, 0, time.time()
+        self.bar = tqdm(total=goal, initial=have, desc=desc, unit="tok", unit_scale=True)
 
     def add(self, row: Sequence) -> None:
         self.rows.append(row)
+        self.have += len(row.ids)
+        self.answer_tokens += len(row.ids) - row.prompt_len
+        self.bar.update(len(row.ids))
         if sum(len(r.ids) for r in self.rows) >= self.shard_tokens:
             self.flush()
+
+    def show_rate(self) -> None:
+        self.bar.set_postfix(answer_tok_s=f"{self.answer_tokens / (time.time() - self.t0):.1f}")
+
+    def close(self) -> None:
+        self.flush()
+        self.bar.close()
 
     def flush(self) -> None:
         if self.rows:
@@ -243,16 +256,12 @@ class Builder:
         have = self.have["text"]
         if have >= goal:
             return
-        writer = ShardWriter(self.out, "text", self.cfg.shard_tokens)
-        bar = tqdm(total=goal, initial=have, desc="text", unit="tok", unit_scale=True)
+        writer = ShardWriter(self.out, "text", self.cfg.shard_tokens, have, goal, "text")
         for seq in self.text_sequences(random.Random(f"text-{self.cfg.seed}")):
             writer.add(seq)
-            have += len(seq.ids)
-            bar.update(len(seq.ids))
-            if have >= goal:
+            if writer.have >= goal:
                 break
-        writer.flush()
-        bar.close()
+        writer.close()
 
     # -------------------------------------------------------------- generation
     def engine(self):
@@ -291,13 +300,12 @@ class Builder:
         prompts = {p.id: p for p in build_prompts(self.cfg.prompts, self.cfg.seed, contamination=self.check)}
         todo = list(self.requests(prompts.values()))
         gen = self.engine()
-        writer = ShardWriter(self.out, "gen", self.cfg.shard_tokens)
-        bar = tqdm(total=goal, initial=have, desc=f"gen ({gen.name})", unit="tok", unit_scale=True)
-        t0, new = time.time(), 0
+        writer = ShardWriter(self.out, "gen", self.cfg.shard_tokens, have, goal, f"gen ({gen.name})")
+        t0 = time.time()
         try:
             step = self.cfg.parallel * 8  # a round of requests; the budget is checked between rounds
             for i in range(0, len(todo), step):
-                if have >= goal or (time_budget_s is not None and time.time() - t0 > time_budget_s):
+                if writer.have >= goal or (time_budget_s is not None and time.time() - t0 > time_budget_s):
                     break
                 batch = {r.key: r for r in todo[i:i + step]}
                 for a in gen.generate(list(batch.values()), self.cfg.max_new_tokens):
@@ -307,14 +315,11 @@ class Builder:
                         continue
                     writer.add(Sequence(p.id, p.source, r.prompt + a.tokens, len(r.prompt), a.finished,
                                         "sampled" if r.temperature > 0 else "greedy"))
-                    have += len(r.prompt) + len(a.tokens)
-                    new += len(a.tokens)
-                    bar.update(len(r.prompt) + len(a.tokens))
-                    bar.set_postfix(answer_tok_s=f"{new / (time.time() - t0):.1f}")
+                    writer.show_rate()
                 writer.flush()
         finally:
             gen.close()
-            bar.close()
+            writer.close()
         return time.time() - t0
 
     # -------------------------------------------------------------- self-chat
@@ -337,12 +342,11 @@ class Builder:
         if have >= goal:
             return 0.0
         gen = self.engine()
-        writer = ShardWriter(self.out, "self", self.cfg.shard_tokens)
-        bar = tqdm(total=goal, initial=have, desc=f"self-chat ({gen.name})", unit="tok", unit_scale=True)
-        t0, new, index = time.time(), 0, 0
+        writer = ShardWriter(self.out, "self", self.cfg.shard_tokens, have, goal, f"self-chat ({gen.name})")
+        t0, index = time.time(), 0
         try:
             with ThreadPoolExecutor(self.cfg.parallel) as pool:
-                while have < goal and (time_budget_s is None or time.time() - t0 < time_budget_s):
+                while writer.have < goal and (time_budget_s is None or time.time() - t0 < time_budget_s):
                     chats: list[_Chat] = []
                     while len(chats) < self.cfg.parallel * 4:  # a round; the budget is checked between rounds
                         sid = f"self-{self.cfg.seed}-{index:07d}"
@@ -354,14 +358,11 @@ class Builder:
                     for c in pool.map(lambda c: self.converse(gen, c), chats):
                         if c.sequence is not None:
                             writer.add(c.sequence)
-                            have += len(c.sequence.ids)
-                            new += len(c.sequence.ids) - c.sequence.prompt_len
-                            bar.update(len(c.sequence.ids))
-                    bar.set_postfix(answer_tok_s=f"{new / (time.time() - t0):.1f}")
+                    writer.show_rate()
                     writer.flush()
         finally:
             gen.close()
-            bar.close()
+            writer.close()
         return time.time() - t0
 
     def converse(self, gen, c: _Chat) -> _Chat:
