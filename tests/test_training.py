@@ -395,12 +395,21 @@ def test_learning_curve_points_nest_are_saved_and_resume(tmp_path):
     cfg.data_tokens, cfg.epochs, cfg.lr_min = 300, 1.0, cfg.lr  # as the curve runs it
     stopped = Trainer(cfg)
     stopped.run(until=points[0]["step"])
-    at_point = Trainer(cfg)
-    at_point.load_drafters(first)
-    for a, b in zip(stopped.students, at_point.students, strict=True):
-        sa, sb = a.drafter.trainable_state_dict(), b.drafter.trainable_state_dict()
-        assert all(torch.equal(sa[k], sb[k]) for k in sa), a.label
+
+    def same_as_stopped(folder: Path) -> bool:
+        at_point = Trainer(cfg)
+        at_point.load_drafters(folder)
+        states = [(a.drafter.trainable_state_dict(), b.drafter.trainable_state_dict())
+                  for a, b in zip(stopped.students, at_point.students, strict=True)]
+        return all(torch.equal(sa[k], sb[k]) for sa, sb in states for k in sa)
+
+    assert same_as_stopped(first) and not same_as_stopped(first.with_name("120-annealed"))
     assert json.loads((first / "moa" / "training.json").read_text())["steps"] == points[0]["step"]
+    # the decay branch after the first point left the constant-rate run as it was
+    stopped.run(until=points[1]["step"])
+    assert same_as_stopped(first.with_name("300"))
+    assert all(p["decay_steps"] == max(1, round(0.1 * p["step"])) and set(p["val_annealed"]) == {"moa", "eagle"}
+               for p in points)
     assert [p.name for p in export(first, tmp_path / "ship")] == ["moa", "eagle"]
 
     before = (tmp_path / "curve" / "curve.json").read_text()

@@ -17,6 +17,8 @@ target's next-token distribution + SmoothL1 to the target state the drafter regr
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 import os
@@ -408,6 +410,48 @@ class Trainer:
             out.append(self.train[self._order[pos]])
         return out
 
+    def train_step(self, index: int, lr: float) -> tuple[dict[str, float], int, float]:
+        """One optimiser step of every drafter on batch `index` at learning rate `lr`: the mean losses,
+        the loss rows and the seconds spent in the target's features."""
+        cfg = self.cfg
+        tokens, target_s = 0, 0.0
+        for st in self.students:
+            for g in st.opt.param_groups:
+                g["lr"] = lr
+            st.opt.zero_grad(set_to_none=True)
+        p_curriculum = max(0.0, 1.0 - index / (cfg.steps / 2))
+        losses = {s.label: 0.0 for s in self.students}
+        for k, ex in enumerate(self.batch(index)):
+            every = self.rng.randint(cfg.every_min, cfg.every_max)
+            curriculum = self.rng.random() < p_curriculum
+            if k % self.world != self.rank:  # data parallel: each process takes its share of the batch
+                continue
+            t1 = time.time()
+            tp = self.target_pass(ex)
+            target_s += time.time() - t1
+            for st in self.students:
+                t1 = time.time()
+                with torch.autocast("cuda", torch.bfloat16, enabled=self.target.device.type == "cuda"):
+                    loss, s = self.sequence_loss(st, ex, tp, every, curriculum)
+                (loss / cfg.batch_size).backward()
+                st.seconds += time.time() - t1
+                losses[st.label] += loss.item() / cfg.batch_size
+            tokens += s["tokens"]
+        if self.world > 1:
+            losses = self.all_reduce(losses)
+        for st in self.students:
+            t1 = time.time()
+            if self.world > 1:  # the gradients of the whole batch, as one process would have them
+                for p in st.drafter.parameters():
+                    if p.requires_grad:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        torch.distributed.all_reduce(p.grad)
+            torch.nn.utils.clip_grad_norm_([p for p in st.drafter.parameters() if p.requires_grad], cfg.clip)
+            st.opt.step()
+            st.seconds += time.time() - t1
+        return losses, tokens, target_s
+
     def run(self, resume: bool = True, until: int | None = None) -> dict:
         """Train to `cfg.steps` (or stop after step `until`, saved, as a stopped session would)."""
         cfg = self.cfg
@@ -419,41 +463,8 @@ class Trainer:
         stop = _StopRequest()
         try:
             while self.step < min(cfg.steps, until or cfg.steps):
-                for st in self.students:
-                    for g in st.opt.param_groups:
-                        g["lr"] = lr_at(self.step, cfg)
-                    st.opt.zero_grad(set_to_none=True)
-                p_curriculum = max(0.0, 1.0 - self.step / (cfg.steps / 2))
-                losses = {s.label: 0.0 for s in self.students}
-                for k, ex in enumerate(self.batch(self.step)):
-                    every = self.rng.randint(cfg.every_min, cfg.every_max)
-                    curriculum = self.rng.random() < p_curriculum
-                    if k % self.world != self.rank:  # data parallel: each process takes its share of the batch
-                        continue
-                    t1 = time.time()
-                    tp = self.target_pass(ex)
-                    target_s += time.time() - t1
-                    for st in self.students:
-                        t1 = time.time()
-                        with torch.autocast("cuda", torch.bfloat16, enabled=self.target.device.type == "cuda"):
-                            loss, s = self.sequence_loss(st, ex, tp, every, curriculum)
-                        (loss / cfg.batch_size).backward()
-                        st.seconds += time.time() - t1
-                        losses[st.label] += loss.item() / cfg.batch_size
-                    tokens += s["tokens"]
-                if self.world > 1:
-                    losses = self.all_reduce(losses)
-                for st in self.students:
-                    t1 = time.time()
-                    if self.world > 1:  # the gradients of the whole batch, as one process would have them
-                        for p in st.drafter.parameters():
-                            if p.requires_grad:
-                                if p.grad is None:
-                                    p.grad = torch.zeros_like(p)
-                                torch.distributed.all_reduce(p.grad)
-                    torch.nn.utils.clip_grad_norm_([p for p in st.drafter.parameters() if p.requires_grad], cfg.clip)
-                    st.opt.step()
-                    st.seconds += time.time() - t1
+                losses, n, seconds = self.train_step(self.step, lr_at(self.step, cfg))
+                tokens, target_s = tokens + n, target_s + seconds
                 self.step += 1
                 bar.update(1)
                 bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses.values()),
@@ -501,6 +512,33 @@ class Trainer:
                         "final_val": final.get(st.label)}
                 (self.out / st.label / "training.json").write_text(json.dumps(info, indent=1))
         return result
+
+    @contextlib.contextmanager
+    def branch(self):
+        """Train inside the block, then return to the state before it: drafters, optimisers, random
+        generators and step (a learning curve's decay branch leaves the constant-rate run untouched)."""
+        saved = ([copy.deepcopy(st.drafter.state_dict()) for st in self.students],
+                 [copy.deepcopy(st.opt.state_dict()) for st in self.students],
+                 [st.seconds for st in self.students], self.rng.getstate(), torch.get_rng_state(), self.step)
+        try:
+            yield
+        finally:
+            drafters, opts, seconds, rng, torch_rng, self.step = saved
+            for st, d, o, sec in zip(self.students, drafters, opts, seconds, strict=True):
+                st.drafter.load_state_dict(d)
+                st.opt.load_state_dict(o)
+                st.seconds = sec
+            self.rng.setstate(rng)
+            torch.set_rng_state(torch_rng)
+
+    def decay(self, steps: int, lr_end: float) -> None:
+        """Warmup-stable-decay's last phase: `steps` more steps over the batches of the last `steps`
+        steps again (no token beyond the budget), the learning rate falling linearly from `cfg.lr` to
+        `lr_end`. A constant-rate run is not what one would ship; this is (use it inside `branch`)."""
+        first = max(0, self.step - steps)
+        for i in tqdm(range(steps), desc="decay", unit="step", leave=False):
+            lr = self.cfg.lr + (lr_end - self.cfg.lr) * (i + 1) / steps
+            self.train_step(first + i % max(1, self.step - first), lr)
 
     @torch.no_grad()
     def validate(self, every: int = 7, context_mean: bool = False) -> dict[str, dict]:
