@@ -164,13 +164,17 @@ def test_training_lowers_validation_loss(tmp_path):
     saved = run_config(tmp_path / "ship")
     assert (saved["model"], saved["kind"], saved["tli_layers"]) == (cfg.model, "moa,eagle,independent", "0,1")
     tuned = Trainer(TrainConfig(**{**saved, "data": str(data), "out": str(tmp_path / "ft"), "max_len": 96,
-                                   "val_sequences": 6, "init": str(tmp_path / "ship")}))
+                                   "val_sequences": 6, "init": str(tmp_path / "ship"), "steps": 1}))
     for st, old in zip(tuned.students, tr.students, strict=True):
         assert torch.equal(st.drafter.vocab_ids, old.drafter.vocab_ids)
         for (name, a), b in zip(st.drafter.state_dict().items(), old.drafter.state_dict().values(), strict=True):
             assert torch.allclose(a.float(), b.float(), atol=2e-3, rtol=2e-3), (st.label, name)  # fp16 copies
     with pytest.raises(UserError, match="neither a training run"):
         run_config(tmp_path / "ft")
+    tuned.run()  # a fine-tuned drafter says where it started and how that was trained
+    info = json.loads((tmp_path / "ft" / "moa-n1" / "training.json").read_text())
+    assert info["init"] == str(tmp_path / "ship") and info["steps"] == 1
+    assert info["init_training"] == json.loads((tmp_path / "ship" / "moa-n1" / "training.json").read_text())
 
 
 def test_student_specs():

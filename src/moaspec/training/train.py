@@ -509,7 +509,7 @@ class Trainer:
                         "vocab_ids": cfg.vocab_ids, "threads": torch.get_num_threads(), "train_tokens": tokens,
                         "trained_with": [s.label for s in self.students], "shared_target_seconds": result[
                             "target_seconds"], "seconds": result["seconds"], "own_seconds": round(st.seconds, 1),
-                        "final_val": final.get(st.label)}
+                        "final_val": final.get(st.label), **fine_tuned_from(cfg.init, st.label)}
                 (self.out / st.label / "training.json").write_text(json.dumps(info, indent=1))
         return result
 
@@ -615,6 +615,18 @@ class Trainer:
         self.rng.setstate(state["rng"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.history = state["step"], state["history"]
+
+
+def fine_tuned_from(init: str, label: str) -> dict:
+    """A fine-tuned drafter's provenance for its training.json: where it started, and how that was
+    trained (empty for a drafter trained from scratch)."""
+    if not init:
+        return {}
+    base = Path(init) / label / "training.json"
+    try:
+        return {"init": init, "init_training": json.loads(base.read_text())}
+    except (OSError, ValueError):
+        return {"init": init}
 
 
 def run_config(run: str | Path) -> dict:
