@@ -402,9 +402,11 @@ def test_tree_for_costs_gpu_gets_the_paper_tree_cpu_an_adaptive_chain():
     chain = TreeConfig.parse("adaptive")
     cpu = {1: 78.3, 2: 78.6, 4: 93.0, 8: 189.0, 16: 222.0, 32: 375.0}  # Qwen 0.5B fp32, measured
     assert tree_for_costs(cpu) == chain
-    mid = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.5, 16: 16.0, 32: 20.0}
+    flat_to_8 = {1: 32.1, 2: 33.7, 4: 35.7, 8: 39.4, 16: 66.0, 32: 111.0, 64: 219.9}  # Qwen 0.5B fp16, measured
+    assert tree_for_costs(flat_to_8) == chain  # 7 tokens over 6 levels: a chain that pays 6 draft steps
+    mid = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.5, 16: 14.0, 32: 20.0}
     t = tree_for_costs(mid)
-    assert t.total_tokens == 7 and t.depth == 6 and t.topk == 2 and not t.adaptive
+    assert t.total_tokens == 15 and t.depth == 6 and t.topk == 3 and not t.adaptive
     assert tree_for_costs({1: 10.0, 2: 30.0}) == chain
     assert tree_for_costs({1: 41.0, 2: 41.8, 4: 57.4, 8: 114.0}) == chain
     with pytest.raises(ValueError):

@@ -149,13 +149,17 @@ def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.5) -> TreeConfig
     the paper's big tree. A memory-bound CPU, where rows past a few cost visibly more, affords only a
     chain; how long a chain pays then hangs on the drafter's acceptance on the text at hand, which
     only the live run knows, so it gets an adaptive chain (`AdaptiveChain`: measured 1.0-1.1x the
-    best fixed chain length for lookup, EAGLE-2 and MoA on Qwen 0.5B)."""
+    best fixed chain length for lookup, EAGLE-2 and MoA on Qwen 0.5B). So does a CPU whose passes stay
+    flat to 8 rows but not 16: a tree that cannot be two wide at each of its levels is a chain with a
+    sibling or two that pays all its draft steps whatever the acceptance (Qwen 0.5B fp16, 8 rows at
+    1.23x one row: the 6-deep, 7-token tree ran MoA at 0.94x and EAGLE-2 at 1.02x of plain, the
+    adaptive chain at 1.04x and 1.13x)."""
     if 1 not in cost_ms:
         raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
     ref = min(ms for k, ms in cost_ms.items() if k <= 2)  # 1 row may run padded to 2 (models/linear.py)
     rows = max(k for k, ms in cost_ms.items() if ms <= budget * ref)
     total = min(rows - 1, PAPER_GPU_TREE.total_tokens)
-    if total <= PAPER_GPU_TREE.depth:
+    if total < 2 * PAPER_GPU_TREE.depth:
         return TreeConfig(ADAPTIVE_MAX_DEPTH, 1, ADAPTIVE_MAX_DEPTH, adaptive=True)
     depth = PAPER_GPU_TREE.depth
     topk = min(PAPER_GPU_TREE.topk, max(2, -(-total // depth)))
