@@ -118,12 +118,14 @@ def test_lr_schedule_warms_up_then_decays():
 
 def _slice(tmp_path: Path, n_train: int, n_val: int) -> Path:
     """A small data folder cut from the committed SmolLM2 data: n_train training and n_val validation
-    sequences, generated answers first."""
+    sequences, generated answers first. Cut from the first two shards of each source only, so that
+    data added to the folder later does not move the tests' slice."""
     sets = sorted(DATA.glob("smollm2-135m-*/manifest.json"))
     if not sets:
         pytest.skip("no committed SmolLM2 data set")
     src = sets[0].parent
-    rows = sorted(D.load(src), key=lambda r: (r.mode == "text", r.id))
+    first = [path for source in ("gen", "text") for path in D.shards(src, source)[:2]]
+    rows = sorted((r for path in first for r in D.read_shard(path)), key=lambda r: (r.mode == "text", r.id))
     cfg = json.loads((src / "config.json").read_text())
     train = [r for r in rows if not D.is_val(r.id, cfg["val_fraction"])][:n_train]
     val = [r for r in rows if D.is_val(r.id, cfg["val_fraction"])][:n_val]
