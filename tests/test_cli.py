@@ -140,7 +140,8 @@ BAD_INPUT = {
     "tree deeper than its tokens": ["generate", "--prompt", "hi", "--depth", "8", "--total-tokens", "4"],
     "adaptive depth 0": ["generate", "--prompt", "hi", "--adaptive", "--depth", "0"],
     "chat huge tree": ["chat", "--total-tokens", "100000"],
-    "adaptive tree with top-k": ["generate", "--prompt", "hi", "--adaptive", "--topk", "2"],
+    "adaptive tree with total tokens": ["generate", "--prompt", "hi", "--adaptive", "--total-tokens", "4"],
+    "adaptive tree of width 0": ["generate", "--prompt", "hi", "--adaptive", "--topk", "0"],
     "chat bad sampling": ["chat", "--top-p", "2"],
     "min prob 1": ["generate", "--prompt", "hi", "--min-prob", "1"],
     "min prob nan": ["chat", "--min-prob", "nan"],
@@ -181,6 +182,8 @@ def test_prompt_not_utf8_names_the_byte(capsys, tmp_path, monkeypatch):
 def test_adaptive_tree_flag():
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--adaptive", "--depth", "5"])
     assert cli._tree_config(args) == TreeConfig(5, 1, 5, adaptive=True)
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--adaptive", "--depth", "4", "--topk", "2"])
+    assert cli._tree_config(args) == TreeConfig(4, 2, 8, adaptive=True)
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi"])
     assert cli._tree_config(args) == "auto"
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--min-prob", "0.2"])

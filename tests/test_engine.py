@@ -123,6 +123,41 @@ def test_adaptive_chain_is_lossless_and_varies_its_length(dec_lookup, plain_gree
         Engine(old.target, old.drafter, tree)
 
 
+def test_adaptive_tree_drafts_two_tokens_a_level_and_is_lossless(dec_model, plain_greedy):
+    """A 2-wide adaptive tree from a drafter whose siblings come from one softmax: every call verifies two
+    tokens at each level it chose (unless the answer's end cuts it), and the output is plain greedy's."""
+    from moaspec.decoding.engine import Engine
+    from moaspec.decoding.tree import AdaptiveChain
+
+    tree = TreeConfig.parse("adaptive:4x2")
+    old = dec_model.engine
+    trees = []
+    verify = old.target.verify
+
+    def spy(t):
+        trees.append(t)
+        return verify(t)
+
+    adapt = AdaptiveChain({1: 10.0, 2: 10.0, 4: 10.5, 8: 12.0}, tree.depth, width=2)
+    dec_model.engine = Engine(old.target, old.drafter, tree, adapt)
+    old.target.verify = spy
+    try:
+        prompt_ids, plain = plain_greedy(PROMPTS[2], MAX_NEW)
+        g = dec_model.generate(prompt_ids, GenerationConfig(max_new_tokens=MAX_NEW))
+    finally:
+        dec_model.engine = old
+        del old.target.verify
+    check_metrics(g, tree)
+    assert_same_or_near_tie(old.target, prompt_ids, plain, g.token_ids, "model/adaptive 2-wide")
+    full = [t for t in trees if len(t) - 1 == 2 * max(t.depths)]
+    assert len(full) >= len(trees) - 2 and max(max(t.depths) for t in trees) > 1, [len(t) for t in trees]
+    # drafting for itself: every level is accepted (its first sibling), so each call emits levels + 1
+    whole = sum(a == max(t.depths) + 1 for a, t in zip(g.metrics.accept_lengths, trees, strict=True))
+    assert whole >= len(trees) - 2, (g.metrics.accept_lengths, [max(t.depths) for t in trees])
+    with pytest.raises(ValueError, match="as wide"):
+        Engine(old.target, old.drafter, tree, AdaptiveChain({1: 10.0, 2: 10.0}, tree.depth))
+
+
 # --------------------------------------------------------------------------- EOS, length, stop strings
 SHORT = "What is the capital of France? Answer in one word."
 

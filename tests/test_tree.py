@@ -404,6 +404,10 @@ def test_tree_for_costs_gpu_gets_the_paper_tree_cpu_an_adaptive_chain():
     assert tree_for_costs(cpu) == chain
     flat_to_8 = {1: 32.1, 2: 33.7, 4: 35.7, 8: 39.4, 16: 66.0, 32: 111.0, 64: 219.9}  # Qwen 0.5B fp16, measured
     assert tree_for_costs(flat_to_8) == chain  # 7 tokens over 6 levels: a chain that pays 6 draft steps
+    # ... unless siblings come from the same draft step: then two tokens a level, as deep as acceptance says
+    assert tree_for_costs(flat_to_8, branching=True) == TreeConfig.parse("adaptive:8x2")
+    steep = {1: 58.1, 2: 63.1, 4: 74.2, 8: 94.9, 16: 154.3, 32: 225.8, 64: 379.3}  # 5 rows 1.37x: a chain
+    assert tree_for_costs(steep, branching=True) == tree_for_costs(steep) == chain
     mid = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.5, 16: 14.0, 32: 20.0}
     t = tree_for_costs(mid)
     assert t.total_tokens == 15 and t.depth == 6 and t.topk == 3 and not t.adaptive
@@ -454,7 +458,8 @@ def _drive(chain: AdaptiveChain, calls: int, accept: float, step_ms: float = 1.0
                 break
             credit -= 1
             n += 1
-        chain.update(d, n, d * step_ms / 1e3, pass_ms * chain.rel[d] / 1e3)
+        rows = d * chain.width
+        chain.update(d, n, d * step_ms / 1e3, pass_ms * chain.rel[rows] / 1e3, rows=rows)
     return chosen
 
 
@@ -480,14 +485,38 @@ def test_adaptive_chain_follows_acceptance_and_costs():
     assert long.offered[-1] > 0 and 1 <= long.choose() <= 4
 
 
+def test_adaptive_tree_prices_its_width():
+    """A level of a 2-wide tree is two verify rows: where rows past four get dear, a fully accepted tree
+    stops two levels short of the chain; where they are flat, both go the whole way."""
+    cpu = {1: 10.0, 2: 10.0, 4: 11.0, 8: 40.0}
+    assert _drive(AdaptiveChain(cpu, 8, width=2), 30, 1.0)[-1] == 1
+    flat = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0}
+    wide = AdaptiveChain(flat, 8, width=2)
+    assert len(wide.rel) == 17 and _drive(wide, 30, 1.0)[-1] == 8
+    assert _drive(AdaptiveChain(flat, 8, width=2), 30, 0.0)[-1] == 1
+    # the pass time is learnt per row count: 2 levels of 2 read as a 5-row pass, not a 3-row one
+    a = AdaptiveChain({1: 10.0, 2: 10.0, 4: 20.0, 8: 40.0}, 4, width=2)
+    a.update(2, 1, 0.002, 0.020, rows=4)
+    assert a.pass_ms == pytest.approx(20.0 / a.rel[4]) and a.step_ms == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="width"):
+        AdaptiveChain(flat, 4, width=0)
+
+
 def test_adaptive_tree_config():
     t = TreeConfig.parse("adaptive:5")
     assert (t.depth, t.topk, t.total_tokens, t.adaptive) == (5, 1, 5, True)
     assert TreeConfig.parse("adaptive").depth == 8 and "adaptive" in t.label()
-    with pytest.raises(UserError, match="chain"):
+    with pytest.raises(UserError, match="depth x topk"):
         TreeConfig(4, 2, 4, adaptive=True)
-    with pytest.raises(UserError, match="adaptive"):
-        TreeConfig.parse("adaptive:x")
+    wide = TreeConfig.parse("adaptive:4x2")
+    assert wide == TreeConfig(4, 2, 8, adaptive=True) and "4 levels x 2" in wide.label()
+    assert TreeConfig.parse("adaptive:x3") == TreeConfig(8, 3, 24, adaptive=True)
+    assert TreeConfig.parse("adaptive:3x2@0.1").min_prob == 0.1
+    for bad in ("adaptive:x", "adaptive:4x", "adaptive:4x0", "adaptive:0x2", "adaptive:4x2x2", "adaptive4"):
+        with pytest.raises(UserError, match="adaptive"):
+            TreeConfig.parse(bad)
+    with pytest.raises(UserError, match="total_tokens"):
+        TreeConfig.parse(f"adaptive:{MAX_DEPTH}x{MAX_TOPK}")  # more rows than a tree may have
     stop = TreeConfig.parse("adaptive:5@0.25")
     assert (stop.depth, stop.adaptive, stop.min_prob) == (5, True, 0.25) and "0.25" in stop.label()
     for bad in ("adaptive@1", "adaptive@x", "3,1,3@-0.5", "3,1,3@"):

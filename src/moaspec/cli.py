@@ -236,8 +236,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--total-tokens", type=int,
                    help=f"draft tokens verified per target call, --depth to {MAX_TREE_TOKENS} "
                         f"(default {_TREE_DEFAULTS['total_tokens']})")
-    t.add_argument("--adaptive", action="store_true", help="draft a chain whose length (up to --depth, default "
-                   f"{ADAPTIVE_MAX_DEPTH}) is chosen per call from live acceptance and this machine's costs")
+    t.add_argument("--adaptive", action="store_true", help="draft a chain (or, with --topk W, a tree W tokens wide "
+                   f"at each level) whose depth (up to --depth, default {ADAPTIVE_MAX_DEPTH}) is chosen per call from "
+                   "live acceptance and this machine's costs")
     t.add_argument("--min-prob", type=float, default=None, metavar="P",
                    help="stop drafting once the likeliest draft path's probability (the drafter's own) is below P, "
                         "0 <= P < 1 (EAGLE-2's confidence stop; default 0: off)")
@@ -285,14 +286,15 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
 
 
 def _tree_config(args: argparse.Namespace) -> TreeConfig | str:
-    """A fixed shape when any of --depth/--topk/--total-tokens is given, an adaptive chain with --adaptive,
-    else "auto"; with --min-prob P each carries the confidence stop ("auto@P" for auto)."""
+    """A fixed shape when any of --depth/--topk/--total-tokens is given, an adaptive chain (or tree with
+    --topk) with --adaptive, else "auto"; with --min-prob P each carries the confidence stop ("auto@P" for
+    auto)."""
     given = {k: v for k in _TREE_DEFAULTS if (v := getattr(args, k)) is not None}
     min_prob = TreeConfig(min_prob=args.min_prob or 0.0).min_prob  # its range checked before a model loads
     if args.adaptive:
-        if set(given) - {"depth"}:
-            raise UserError("--adaptive drafts a chain: give at most --depth (its longest length)")
-        return TreeConfig.parse(f"adaptive:{given.get('depth', ADAPTIVE_MAX_DEPTH)}@{min_prob}")
+        if "total_tokens" in given:
+            raise UserError("--adaptive drafts --topk tokens at each of up to --depth levels: drop --total-tokens")
+        return TreeConfig.parse(f"adaptive:{given.get('depth', ADAPTIVE_MAX_DEPTH)}x{given.get('topk', 1)}@{min_prob}")
     if not given:
         return f"auto@{min_prob}" if min_prob else "auto"
     given["min_prob"] = min_prob

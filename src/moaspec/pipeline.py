@@ -141,12 +141,12 @@ class SpecDecoder:
         costs = None
         if tree == "auto":
             costs = self.pass_costs() if self.drafter is not None else None
-            tree = tree_for_costs(costs) if costs is not None else None
+            tree = tree_for_costs(costs, branching=self.drafter.branching) if costs is not None else None
             if tree is not None and min_prob is not None:
                 tree = replace(tree, min_prob=min_prob)
         adapt = None
         if tree is not None and tree.adaptive:
-            adapt = AdaptiveChain(costs if costs is not None else self.pass_costs(), tree.depth)
+            adapt = AdaptiveChain(costs if costs is not None else self.pass_costs(), tree.depth, width=tree.topk)
         if hasattr(self.drafter, "set_row_costs"):  # a drafter that prices its drafts' verify rows
             self.drafter.set_row_costs(costs if costs is not None else self.pass_costs())
         encoder = self.drafter.encoder if self.drafter else None
@@ -159,8 +159,8 @@ class SpecDecoder:
         self.engine = Engine(target, self.drafter, tree, adapt)
 
     def auto_tree(self) -> TreeConfig:
-        """The tree this machine affords (`tree_for_costs` over measured pass costs)."""
-        return tree_for_costs(self.pass_costs())
+        """The tree this machine affords the loaded drafter (`tree_for_costs` over measured pass costs)."""
+        return tree_for_costs(self.pass_costs(), branching=self.drafter is not None and self.drafter.branching)
 
     def pass_costs(self) -> dict[int, float]:
         """ms of one target pass per row count, measured once per model, weight mode, device and

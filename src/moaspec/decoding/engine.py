@@ -111,9 +111,10 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.tree = tree or TreeConfig()
-        self.adapt = adapt  # with an adaptive tree: picks each call's chain length
-        if self.tree.adaptive and adapt is None:
-            raise ValueError("an adaptive tree needs its AdaptiveChain (verify costs of this machine)")
+        self.adapt = adapt  # with an adaptive tree: picks each call's number of levels
+        if self.tree.adaptive and (adapt is None or adapt.width != self.tree.topk):
+            raise ValueError("an adaptive tree needs its AdaptiveChain (verify costs of this machine), as wide "
+                             "as the tree's levels")
         self.metrics = Metrics()
 
     def check(self, prompt: list[int], cfg: GenerationConfig) -> None:
@@ -183,7 +184,8 @@ class Engine:
                 self.drafter.observe([root, *v.accepted], step.context)
             draft_s = t2 - t1 + time.perf_counter() - t3
             if self.adapt is not None:
-                self.adapt.update(len(tree) - 1, len(v.accepted), draft_s, t3 - t2, step.target_ms / 1e3)
+                self.adapt.update(max(tree.depths), len(v.accepted), draft_s, t3 - t2, step.target_ms / 1e3,
+                                  rows=len(tree) - 1)
             m.draft_s += draft_s
             m.verify_s += t3 - t2
             m.accept_lengths.append(len(v.accepted) + 1)
@@ -279,7 +281,7 @@ class Engine:
         cfg = self.tree
         if self.adapt is not None:
             d = self.adapt.choose()
-            cfg = replace(cfg, depth=d, topk=1, total_tokens=d, adaptive=False)
+            cfg = replace(cfg, depth=d, total_tokens=d * cfg.topk, adaptive=False)
         if room < cfg.total_tokens or room < cfg.depth:
             cfg = replace(cfg, depth=min(cfg.depth, room), total_tokens=min(cfg.total_tokens, room))
         return self.drafter.propose(root, cfg if sampling is None else cfg.sampled(sampling))

@@ -65,7 +65,9 @@ class TreeConfig:
     depth: int = 4
     topk: int = 4
     total_tokens: int = 6
-    adaptive: bool = False  # a chain whose length (up to `depth`) is chosen per call: `AdaptiveChain`
+    # The number of levels (up to `depth`) is chosen per call (`AdaptiveChain`), each level `topk` wide
+    # (total_tokens = depth x topk): a chain when topk is 1.
+    adaptive: bool = False
     # EAGLE-2's confidence stop: no further draft step once the likeliest frontier path (by the
     # drafter's own probabilities; sampled trees: by q) is below this; the nodes already drafted are
     # still verified. Model drafters and the suffix drafter; prompt lookup has no probabilities.
@@ -83,27 +85,38 @@ class TreeConfig:
         if isinstance(self.min_prob, bool) or not isinstance(self.min_prob, numbers.Real) or \
                 not 0.0 <= self.min_prob < 1.0:
             raise UserError(f"min_prob (--min-prob) must be a number in [0, 1), got {self.min_prob!r}")
-        if self.adaptive and (self.topk != 1 or self.total_tokens != self.depth):
-            raise UserError(f"an adaptive tree is a chain: topk 1, total_tokens = depth; got {self}")
+        if self.adaptive and self.total_tokens != self.depth * self.topk:
+            raise UserError(f"an adaptive tree drafts topk tokens at each of its levels: total_tokens = depth x "
+                            f"topk; got {self}")
 
     @classmethod
     def parse(cls, text: str) -> TreeConfig:
-        """ "depth,topk,total" as written on command lines, or "adaptive[:max depth]"; either with
-        "@P" after it for `min_prob` P."""
+        """ "depth,topk,total" as written on command lines, or "adaptive[:max depth[xwidth]]" (e.g.
+        adaptive:4x2, up to 4 levels of 2 tokens); either with "@P" after it for `min_prob` P."""
         shape, min_prob = split_min_prob(text)
         min_prob = min_prob or 0.0
         try:
             if shape.startswith("adaptive"):
-                depth = int(shape.partition(":")[2] or ADAPTIVE_MAX_DEPTH)
-                return cls(depth, 1, depth, adaptive=True, min_prob=min_prob)
+                spec = shape.removeprefix("adaptive")
+                if spec and not spec.startswith(":"):
+                    raise ValueError(spec)
+                depth_text, x, width_text = spec[1:].partition("x")
+                depth, width = int(depth_text or ADAPTIVE_MAX_DEPTH), int(width_text) if x else 1
+                if not 1 <= width <= MAX_TOPK or not 1 <= depth <= MAX_DEPTH:
+                    raise UserError(f"an adaptive tree is 1 to {MAX_DEPTH} levels of 1 to {MAX_TOPK} tokens, "
+                                    f"got {text!r}")
+                return cls(depth, width, depth * width, adaptive=True, min_prob=min_prob)
             return cls(*map(int, shape.split(",")), min_prob=min_prob)
         except (TypeError, ValueError):
-            raise UserError(f"a tree is written depth,topk,total (e.g. 3,1,3) or adaptive[:max depth], "
-                            f"optionally with @min_prob (e.g. adaptive@0.2); got {text!r}") from None
+            raise UserError(f"a tree is written depth,topk,total (e.g. 3,1,3) or adaptive[:max depth[xwidth]] (e.g. "
+                            f"adaptive:4x2), optionally with @min_prob (e.g. adaptive@0.2); got {text!r}") from None
 
     def label(self) -> str:
-        shape = f"adaptive chain <= {self.depth}" if self.adaptive else \
-            f"d{self.depth}/k{self.topk}/t{self.total_tokens}"
+        if self.adaptive:
+            shape = f"adaptive chain <= {self.depth}" if self.topk == 1 else \
+                f"adaptive tree <= {self.depth} levels x {self.topk}"
+        else:
+            shape = f"d{self.depth}/k{self.topk}/t{self.total_tokens}"
         return f"{shape}, stop below p {self.min_prob:g}" if self.min_prob else shape
 
     def sampled(self, sampling: DraftSampling) -> SampledTreeConfig:
@@ -140,7 +153,12 @@ ADAPTIVE_MAX_DEPTH = 8
 PAPER_GPU_TREE = TreeConfig(depth=6, topk=8, total_tokens=62)
 
 
-def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.5) -> TreeConfig:
+# A drafter whose siblings come from its one softmax gets a 2-wide adaptive tree where two levels of it
+# (5 rows) cost at most this x a 1-row pass; else a chain.
+SIBLING_BUDGET = 1.2
+
+
+def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.5, branching: bool = False) -> TreeConfig:
     """The tree shape a machine affords, from the measured cost of one target pass over k rows.
 
     Verify the largest k whose pass costs at most `budget` x a single-row pass (k - 1 draft tokens):
@@ -153,14 +171,19 @@ def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.5) -> TreeConfig
     flat to 8 rows but not 16: a tree that cannot be two wide at each of its levels is a chain with a
     sibling or two that pays all its draft steps whatever the acceptance (Qwen 0.5B fp16, 8 rows at
     1.23x one row: the 6-deep, 7-token tree ran MoA at 0.94x and EAGLE-2 at 1.02x of plain, the
-    adaptive chain at 1.04x and 1.13x)."""
+    adaptive chain at 1.04x and 1.13x). There a `branching` drafter (siblings from the same draft
+    step) gets the adaptive tree two wide at each level, whose depth follows acceptance like the
+    chain's: on that machine a fixed 2-deep, 2-wide tree ran MoA at 1.06x and EAGLE-2 at 1.18x against
+    the chain's 1.00x and 1.10x; where 5 rows cost 1.37x one row, the chain won (MoA 1.07x against
+    1.03x for one level of two)."""
     if 1 not in cost_ms:
         raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
     ref = min(ms for k, ms in cost_ms.items() if k <= 2)  # 1 row may run padded to 2 (models/linear.py)
     rows = max(k for k, ms in cost_ms.items() if ms <= budget * ref)
     total = min(rows - 1, PAPER_GPU_TREE.total_tokens)
     if total < 2 * PAPER_GPU_TREE.depth:
-        return TreeConfig(ADAPTIVE_MAX_DEPTH, 1, ADAPTIVE_MAX_DEPTH, adaptive=True)
+        width = 2 if branching and row_cost_ratios(cost_ms, 5)[4] <= SIBLING_BUDGET else 1
+        return TreeConfig(ADAPTIVE_MAX_DEPTH, width, ADAPTIVE_MAX_DEPTH * width, adaptive=True)
     depth = PAPER_GPU_TREE.depth
     topk = min(PAPER_GPU_TREE.topk, max(2, -(-total // depth)))
     return TreeConfig(depth=depth, topk=topk, total_tokens=total)
@@ -182,24 +205,27 @@ def row_cost_ratios(cost_ms: dict[int, float], rows: int) -> list[float]:
 
 
 class AdaptiveChain:
-    """Chooses before every target call how many tokens to draft in a chain: the length with the most
-    expected tokens per millisecond, from the acceptance seen so far and the costs seen so far.
+    """Chooses before every target call how many levels to draft: the number with the most expected
+    tokens per millisecond, from the acceptance seen so far and the costs seen so far. A level is one
+    draft step; it adds one token to a chain, or `width` siblings to a tree (`TreeConfig.adaptive`).
 
-    Expected tokens of a d-token chain are 1 + a1 + a1*a2 + ... with a_j the chance that draft j is
-    accepted once j - 1 were, counted over this generation with a decay so that the estimate follows
-    the text (code, prose, a quoted passage); a depth with few counts leans on the rate of the depth
-    above it, so a chain that is accepted whole gets tried one longer.
+    Expected tokens of d levels are 1 + a1 + a1*a2 + ... with a_j the chance that level j is accepted
+    once j - 1 were, counted over this generation with a decay so that the estimate follows the text
+    (code, prose, a quoted passage); a depth with few counts leans on the rate of the depth above it,
+    so a draft that is accepted whole gets tried one longer.
     The cost of a call is the network's share of it (what the call took beyond the target's own time:
-    zero in one process, the round trip to a remote target) plus the target's pass over d + 1 rows (the
-    calibrated cost per row count, scaled to the pass time seen live) plus d draft steps at their live
-    time. So a long round trip makes longer chains pay. One draft token is the floor: it keeps
+    zero in one process, the round trip to a remote target) plus the target's pass over d x width + 1
+    rows (the calibrated cost per row count, scaled to the pass time seen live) plus d draft steps at
+    their live time. So a long round trip makes longer drafts pay. One level is the floor: it keeps
     acceptance measured and costs the least."""
 
-    def __init__(self, verify_ms: dict[int, float], max_depth: int = 8, decay: float = 0.95):
+    def __init__(self, verify_ms: dict[int, float], max_depth: int = 8, decay: float = 0.95, width: int = 1):
         if not 1 <= max_depth <= MAX_DEPTH:
-            raise ValueError(f"an adaptive chain drafts 1 to {MAX_DEPTH} tokens, got max_depth {max_depth}")
-        self.max_depth, self.decay = max_depth, decay
-        self.rel = row_cost_ratios(verify_ms, max_depth + 1)
+            raise ValueError(f"an adaptive tree drafts 1 to {MAX_DEPTH} levels, got max_depth {max_depth}")
+        if not 1 <= width <= MAX_TOPK:
+            raise ValueError(f"an adaptive tree's levels are 1 to {MAX_TOPK} wide, got width {width}")
+        self.max_depth, self.decay, self.width = max_depth, decay, width
+        self.rel = row_cost_ratios(verify_ms, max_depth * width + 1)
         self.reset()
 
     def reset(self) -> None:
@@ -217,25 +243,27 @@ class AdaptiveChain:
             a = (self.hits[d - 1] + 2 * a) / (self.offered[d - 1] + 2)  # prior: the depth above's rate
             reach *= a
             expected += reach
-            rate = expected / (self.net_ms + self.pass_ms * self.rel[d] + d * self.step_ms)
+            rate = expected / (self.net_ms + self.pass_ms * self.rel[d * self.width] + d * self.step_ms)
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-               target_s: float | None = None) -> None:
-        """After a call that verified a chain of `drafted` tokens and accepted `accepted` of them in
-        `verify_s`, of which the target's own pass took `target_s` (default: all of it)."""
+               target_s: float | None = None, rows: int | None = None) -> None:
+        """After a call that verified `drafted` levels of draft tokens (`rows` tokens in all; default: a
+        chain's) and accepted `accepted` of them in `verify_s`, of which the target's own pass took
+        `target_s` (default: all of it)."""
         if drafted <= 0:
             return
+        rows = drafted if rows is None else rows
         self.offered = [x * self.decay for x in self.offered]
         self.hits = [x * self.decay for x in self.hits]
-        # draft j + 1 was looked at; depths past max_depth (a drafter that chose a longer chain) are not tracked
+        # level j + 1 was looked at; levels past max_depth (a drafter that chose a longer draft) are not tracked
         for j in range(min(accepted + 1, drafted, len(self.offered))):
             self.offered[j] += 1
             self.hits[j] += j < accepted
         target_s = verify_s if target_s is None else min(target_s, verify_s)
-        step, pass_ = draft_s * 1e3 / drafted, target_s * 1e3 / self.rel[min(drafted, self.max_depth)]
+        step, pass_ = draft_s * 1e3 / drafted, target_s * 1e3 / self.rel[min(rows, len(self.rel) - 1)]
         net = (verify_s - target_s) * 1e3
         ema = 0.8
         first = self.step_ms is None

@@ -12,6 +12,10 @@ class Drafter(Protocol):
     name: str
     # Target-side half of the drafter (MoA's context encoder); None when it needs only token ids.
     encoder: ContextEncoder | None
+    # True: one draft step scores every token, so siblings at a level come from the same step at no
+    # extra draft cost (model drafters); False: branches are other copies (lookup, suffix), which the
+    # tree shapes of `tree_for_costs` leave as a chain.
+    branching: bool
 
     def begin(self, prompt: list[int], context: Any) -> None:
         """A new generation: `prompt` is now in the target's cache."""

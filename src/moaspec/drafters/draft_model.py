@@ -19,6 +19,7 @@ from moaspec.models.runtime import Transformer
 class DraftModelDrafter:
     name = "model"
     encoder = None
+    branching = True
 
     def __init__(self, model: Transformer):
         self.model = model

@@ -31,8 +31,7 @@ encodes it, several rounds at once, only before it drafts, so rounds it sits out
 Neither policy drafts past the length asked for, even where the suffix is sure of a long copy: replayed
 on the benchmark's own answers with this CPU's row costs, a suffix chain run on past d while its path
 probability stayed >= 0.7 raised tau (2.05 from 1.90) but lost speed (rows past the 4th cost ~0.13 of a
-step each), and `AdaptiveChain.update` counts a tree as a chain of len(tree) - 1 tokens, whose per-depth
-statistics and row costs stop at its max depth.
+step each), and `AdaptiveChain` keeps statistics by level and row costs only up to the depth it asked for.
 """
 
 from __future__ import annotations
@@ -187,6 +186,7 @@ class HybridDrafter:
     """A free drafter and a model drafter behind one `Drafter` (see the module doc for the policies)."""
 
     name = "hybrid"
+    branching = False  # its policies pick or merge per round on a chain's length
     # in one process the target defers the model's context to the rounds the model drafts (batched)
     defers_context = True
 

@@ -14,6 +14,7 @@ from moaspec.decoding.tree import Tree, TreeConfig
 class LookupDrafter:
     name = "lookup"
     encoder = None
+    branching = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram

@@ -229,6 +229,7 @@ class SuffixDrafter:
 
     name = "suffix"
     encoder = None
+    branching = False
 
     def __init__(self, max_depth: int = 32, spec_factor: float = 1.0, min_prob: float = 0.1,
                  cache_tokens: int = 65536):

@@ -143,6 +143,7 @@ class TargetBoundDrafter(nn.Module):
 
     name: ClassVar[str]
     config_cls: ClassVar[type[TargetBoundConfig]]
+    branching: ClassVar[bool] = True
 
     def __init__(self, cfg: Any, max_seq_len: int = 4096):
         super().__init__()
