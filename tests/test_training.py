@@ -84,6 +84,41 @@ def test_data_builder_resumes_without_duplicates(tmp_path):
         D.Builder(D.DataConfig(model="smollm2-135m", prompts=41), tmp_path)
 
 
+def test_data_builder_stops_on_sigterm_after_the_round_written(tmp_path, monkeypatch):
+    """SIGTERM (a session's end) during a round of answers: the round is finished and written, the
+    handler put back, and the same command resumes to the goal without writing anything twice."""
+    import os
+    import signal
+
+    cfg = D.DataConfig(model="smollm2-135m", tokens=20_000, text_fraction=0.0, prompts=40, max_new_tokens=12,
+                       engine="transformers", parallel=2, shard_tokens=100_000)
+    builder = D.Builder(cfg, tmp_path)
+    engine = builder.engine
+
+    def engine_then_term():
+        gen = engine()
+        generate = gen.generate
+
+        def first_answers_then_term(requests, max_new_tokens):
+            for i, a in enumerate(generate(requests, max_new_tokens)):
+                if i == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield a
+        gen.generate = first_answers_then_term
+        return gen
+
+    monkeypatch.setattr(builder, "engine", engine_then_term)
+    before = signal.getsignal(signal.SIGTERM)
+    first = builder.run()
+    assert first["stopped"] and signal.getsignal(signal.SIGTERM) is before
+    folder = tmp_path / cfg.folder_name()
+    rows = D.load(folder)
+    assert 0 < len(rows) <= cfg.parallel * 8  # the whole first round, and nothing after it
+    second = D.Builder(cfg, tmp_path).run()
+    ids = [r.id for r in D.load(folder)]
+    assert not second["stopped"] and second["tokens"] > first["tokens"] and len(ids) == len(set(ids)) > len(rows)
+
+
 def test_self_chat_writes_requests_and_follow_ups(tmp_path):
     """Self-chat: the target writes each request after an opening word, answers it, and for some
     conversations writes a follow-up that sees the first answer; prompts are chat-rendered up to the

@@ -626,7 +626,12 @@ def cmd_data(args: argparse.Namespace) -> int:
                      seed=args.seed, max_new_tokens=args.max_new_tokens, engine=args.engine, parallel=args.parallel,
                      threads=args.threads)
     budget = None if args.time_budget is None else args.time_budget * 60
-    print(json.dumps(Builder(cfg, Path(args.out)).run(budget), indent=1))
+    manifest = Builder(cfg, Path(args.out)).run(budget)
+    print(json.dumps(manifest, indent=1))
+    if manifest["stopped"]:
+        print(f"stopped by signal after the current round, written to {args.out}: the same command resumes",
+              file=sys.stderr)
+        return EXIT_INTERRUPT
     return 0
 
 

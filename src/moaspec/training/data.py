@@ -37,6 +37,7 @@ from moaspec.errors import UserError
 from moaspec.models.store import chat_ids, resolve, weights_fingerprint
 from moaspec.training import corpus
 from moaspec.training.prompts import FOLLOW_UPS, OPENERS, Prompt, build_prompts, eval_texts
+from moaspec.training.stop import StopRequest
 
 DATA_VERSION = 2
 SOURCES = ("gen", "text", "self")
@@ -183,6 +184,7 @@ class Builder:
         from moaspec.models.store import load_tokenizer
 
         self.cfg = cfg
+        self.stop = StopRequest(listen=False)  # `run` listens for SIGTERM/SIGINT
         self.out = Path(out_root) / cfg.folder_name()
         self.out.mkdir(parents=True, exist_ok=True)
         saved = self.out / "config.json"
@@ -305,7 +307,8 @@ class Builder:
         try:
             step = self.cfg.parallel * 8  # a round of requests; the budget is checked between rounds
             for i in range(0, len(todo), step):
-                if writer.have >= goal or (time_budget_s is not None and time.time() - t0 > time_budget_s):
+                if writer.have >= goal or self.stop.requested or \
+                        (time_budget_s is not None and time.time() - t0 > time_budget_s):
                     break
                 batch = {r.key: r for r in todo[i:i + step]}
                 for a in gen.generate(list(batch.values()), self.cfg.max_new_tokens):
@@ -346,7 +349,8 @@ class Builder:
         t0, index = time.time(), 0
         try:
             with ThreadPoolExecutor(self.cfg.parallel) as pool:
-                while writer.have < goal and (time_budget_s is None or time.time() - t0 < time_budget_s):
+                while writer.have < goal and not self.stop.requested and \
+                        (time_budget_s is None or time.time() - t0 < time_budget_s):
                     chats: list[_Chat] = []
                     while len(chats) < self.cfg.parallel * 4:  # a round; the budget is checked between rounds
                         sid = f"self-{self.cfg.seed}-{index:07d}"
@@ -396,20 +400,27 @@ class Builder:
         return c
 
     def run(self, time_budget_s: float | None = None) -> dict:
+        """Build to the goal. SIGTERM/SIGINT stop it after the current round of answers, written: the same
+        command resumes (`stopped` in the returned manifest)."""
         cfg = self.cfg
         t0 = time.time()
-        self.build_text(int(cfg.tokens * cfg.text_fraction))
-        text_s = time.time() - t0
-        left = None if time_budget_s is None else max(0.0, time_budget_s - text_s)
-        generated = cfg.tokens - int(cfg.tokens * cfg.text_fraction)
-        own = int(generated * cfg.self_fraction)
-        gen_s = self.build_gen(generated - own, left)
-        left = None if left is None else max(0.0, left - gen_s)
-        gen_s += self.build_self(own, left)
+        self.stop = StopRequest()
+        try:
+            self.build_text(int(cfg.tokens * cfg.text_fraction))
+            text_s = time.time() - t0
+            left = None if time_budget_s is None else max(0.0, time_budget_s - text_s)
+            generated = cfg.tokens - int(cfg.tokens * cfg.text_fraction)
+            own = int(generated * cfg.self_fraction)
+            gen_s = self.build_gen(generated - own, left)
+            left = None if left is None else max(0.0, left - gen_s)
+            gen_s += self.build_self(own, left)
+        finally:
+            self.stop.restore()
         with (self.out / "build_log.jsonl").open("a") as f:
             f.write(json.dumps({"text_seconds": round(text_s, 1), "gen_seconds": round(gen_s, 1),
-                                "engine": cfg.engine, "threads": cfg.threads, "parallel": cfg.parallel}) + "\n")
-        return finalise(self.out)
+                                "engine": cfg.engine, "threads": cfg.threads, "parallel": cfg.parallel,
+                                "stopped": self.stop.requested}) + "\n")
+        return {**finalise(self.out), "stopped": self.stop.requested}
 
 
 def texts(folder: str | Path) -> Iterator[str]:

@@ -23,8 +23,6 @@ import json
 import math
 import os
 import random
-import signal
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
@@ -40,6 +38,7 @@ from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve, weights_fingerprint
 from moaspec.training import data
 from moaspec.training.features import FeatureCache, compute
+from moaspec.training.stop import StopRequest
 
 KINDS = {"moa": moa, "eagle": eagle, "independent": independent}
 
@@ -189,30 +188,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr_min + 0.5 * (cfg.lr - cfg.lr_min) * (1 + math.cos(math.pi * min(1.0, t)))
-
-
-class _StopRequest:
-    """SIGTERM/SIGINT during training ask for a stop after the current step, saved, so that a job
-    spread over several sessions loses nothing when it is ended (a second signal still kills it)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._old: dict[int, object] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                if signal.getsignal(sig) is not signal.SIG_IGN:  # e.g. a background job started by a script
-                    self._old[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.requested:
-            self.restore()
-            signal.raise_signal(signum)
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, signal.SIG_DFL if old is None else old)  # None: not set from Python
-        self._old = {}
 
 
 class Trainer:
@@ -384,7 +359,7 @@ class Trainer:
         return pred[0], logits[0], depth
 
     # ------------------------------------------------------------------ loop
-    def stop_requested(self, stop: _StopRequest) -> bool:
+    def stop_requested(self, stop: StopRequest) -> bool:
         """Whether any process was asked to stop: all of them end after the same step (torchrun signals
         each worker, not necessarily within the same step)."""
         if self.world == 1:
@@ -460,7 +435,7 @@ class Trainer:
         labels = ", ".join(s.label for s in self.students)
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {labels}", unit="step")
         t0, tokens, target_s = time.time(), 0, 0.0
-        stop = _StopRequest()
+        stop = StopRequest()
         try:
             while self.step < min(cfg.steps, until or cfg.steps):
                 losses, n, seconds = self.train_step(self.step, lr_at(self.step, cfg))
