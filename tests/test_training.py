@@ -364,6 +364,30 @@ def test_eagle_is_sized_to_moa_parameter_count():
     assert abs(got - want) < 0.02 * want and abs(default - want) > 0.2 * want
 
 
+def test_fine_tune_from_a_drafter_of_another_size(tmp_path):
+    """An EAGLE-2 trained at the target's shape (before `match_params`) starts a default fine-tune (which
+    would build the matched size) at its own size and weights, with an optimiser over those, and trains;
+    a resume of that run finds the same size again."""
+    data = _slice(tmp_path, 8, 2)
+    cfg = dict(kind="eagle", data=str(data), batch_size=1, max_len=64, vocab_ids=1024, warmup=1, val_every=1000,
+               save_every=1000, val_sequences=2, seed=0)
+    old = Trainer(TrainConfig(out=str(tmp_path / "old"), steps=2, match_params=False, **cfg))
+    old.run()
+    tuned = Trainer(TrainConfig(out=str(tmp_path / "ft"), steps=3, init=str(tmp_path / "old"), **cfg))
+    st = tuned.students[0]
+    assert st.drafter.cfg == old.students[0].drafter.cfg and st.drafter.training
+    assert all(torch.equal(a, b) for a, b in zip(st.drafter.state_dict().values(),
+                                                 old.students[0].drafter.state_dict().values(), strict=True))
+    assert {id(p) for g in st.opt.param_groups for p in g["params"]} == \
+        {id(p) for p in st.drafter.parameters() if p.requires_grad}
+    before = {k: v.clone() for k, v in st.drafter.state_dict().items()}
+    tuned.run(until=2)
+    assert any(not torch.equal(before[k], v) for k, v in st.drafter.state_dict().items())
+    resumed = Trainer(TrainConfig(out=str(tmp_path / "ft"), steps=3, init=str(tmp_path / "old"), **cfg))
+    resumed.run()
+    assert resumed.step == 3 and resumed.students[0].drafter.cfg == old.students[0].drafter.cfg
+
+
 def test_agreement_on_bench_answers(tmp_path):
     """`bench.agreement`: a training run's drafters scored teacher-forced on a benchmark run's plain
     answers (every turn, rebuilt with the benchmark's own chat prompts), beside the benchmark's
@@ -372,7 +396,8 @@ def test_agreement_on_bench_answers(tmp_path):
     from moaspec.bench.answers import answer_path, read_answers
     from moaspec.bench.suite import BenchConfig, run
 
-    data = _slice(tmp_path, 8, 2)
+    (tmp_path / "data").mkdir()
+    data = _slice(tmp_path / "data", 8, 2)
     cfg = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=5, batch_size=1, max_len=64,
                       vocab_ids=1024, warmup=1, val_every=1000, save_every=1000, val_sequences=2, seed=3)
     Trainer(cfg).run()
@@ -399,6 +424,10 @@ def test_agreement_on_bench_answers(tmp_path):
     assert 0.0 <= result["bench_accepted_per_drafted"]["moa"] <= 1.0
     with pytest.raises(UserError, match="not a `moaspec bench` output"):
         bench_examples(tmp_path / "run", tr.tokenizer)
+    moved = data.rename(tmp_path / "moved")  # the run's data folder is gone: another of its target stands in
+    with pytest.raises(UserError, match="pass --data"):
+        agreement(tmp_path / "run", bench)
+    assert agreement(tmp_path / "run", bench, data=str(moved))["by_task"] == result["by_task"]
 
 
 def test_agreement_pools_tasks_by_rows():

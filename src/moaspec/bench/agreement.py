@@ -49,13 +49,19 @@ def bench_examples(bench: Path, tokenizer) -> dict[str, list[Example]]:
     return out
 
 
-def agreement(run: Path, bench: Path, every: int = 1) -> dict:
+def agreement(run: Path, bench: Path, every: int = 1, data: str | None = None) -> dict:
     """Per drafter of the run: top-1 agreement by draft depth on the benchmark's answers, pooled and
     per task (compare the run's validation in its curve.json or history), and the benchmark's accepted
     tokens per drafted token for the method of the same name. `every`: the verified context is
     refreshed every `every` rows (1: every row at depth 1, what the adaptive chain mostly drafts; 7:
-    depths 1-6 as validation has them)."""
+    depths 1-6 as validation has them). `data`: a data folder of the run's target in place of the one
+    the run names (which builds the trainer; the drafters bring their own vocabulary)."""
     saved = run_config(run)
+    if data:
+        saved = {**saved, "data": data}
+    elif not Path(saved["data"]).is_dir():
+        raise UserError(f"{run} was trained on {saved['data']}, which is not here: pass --data with a data "
+                        f"folder of the same target")
     by_task = bench_examples(bench, load_tokenizer(resolve(saved["model"])))
     longest = max(len(e.ids) for exs in by_task.values() for e in exs)  # the target's cache holds the longest turn
     cfg = TrainConfig(**{**saved, "out": str(run), "feature_cache": False, "device": "cpu",
@@ -102,10 +108,12 @@ def main() -> int:
     p.add_argument("--every", type=int, default=1,
                    help="verified context every N rows: 1 scores every row at depth 1, 7 gives depths 1-6")
     p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.add_argument("--data", default=None,
+                   help="a data folder of the same target, where the one the run names is gone")
     a = p.parse_args()
     if a.every < 1:
         p.error("--every must be at least 1")
-    result = agreement(Path(a.run), Path(a.bench), a.every)
+    result = agreement(Path(a.run), Path(a.bench), a.every, a.data)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
     print(table(result))

@@ -238,9 +238,7 @@ class Trainer:
                 drafter = independent.IndependentDrafter.from_target(
                     self.target, independent.IndependentConfig.for_target(self.target.cfg, **common), vocab)
             drafter.train()
-            params = [p for p in drafter.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-            self.students.append(Student(label, kind, n, drafter, opt))
+            self.students.append(Student(label, kind, n, drafter, self._optimizer(drafter)))
         if cfg.init:  # the drafters' own trimmed vocabulary comes with them
             self.load_drafters(Path(cfg.init))
             if len({tuple(st.drafter.vocab_ids.tolist()) for st in self.students}) > 1:
@@ -559,12 +557,22 @@ class Trainer:
                     "torch_rng": torch.get_rng_state(), "history": self.history, "config": asdict(self.cfg)},
                    self.out / "trainer.pt")
 
+    def _optimizer(self, drafter: torch.nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
     def load_drafters(self, folder: Path) -> None:
-        """Every drafter's weights from `folder`/<label> (a run, or one of a learning curve's points)."""
+        """Every drafter's weights from `folder`/<label> (a run, or one of a learning curve's points). A
+        drafter saved at another size than this config builds (an EAGLE-2 trained before `match_params`)
+        is taken at its own size, with a new optimiser."""
         for st in self.students:
             fresh = KINDS[st.kind].load(folder / st.label, self.target, self.cfg.model,
                                         st.drafter.cfg.target_fingerprint)
-            st.drafter.load_state_dict(fresh.state_dict())
+            if fresh.cfg == st.drafter.cfg:
+                st.drafter.load_state_dict(fresh.state_dict())
+            else:
+                st.drafter = fresh.train(st.drafter.training)
+                st.opt = self._optimizer(fresh)
 
     def save_point(self, folder: Path, info: dict) -> None:
         """The drafters as they are now, with `info`, into `folder` (a learning curve's point): a folder
