@@ -55,13 +55,14 @@ def test_bench_runs_resumes_and_reports(tmp_path):
 
 
 def test_bench_tree_sweep_picks_the_fastest_tree(tmp_path):
-    cfg = BenchConfig(model=SMOL, methods=("plain", "lookup"), sweep_tokens=10, out=str(tmp_path))
+    cfg = BenchConfig(model=SMOL, methods=("plain", "lookup", "moa"), sweep_tokens=10, out=str(tmp_path))
     methods, _ = resolve_methods(cfg)
     bench = Bench(cfg, methods)
-    trees = (TreeConfig(1, 1, 1), TreeConfig(3, 2, 4))
+    trees = (TreeConfig(1, 1, 1), TreeConfig(3, 2, 4), TreeConfig.parse("adaptive:4x2"))
     sweep = bench.sweep(load_tasks(["math"], 2), trees)
-    rows = [r for r in sweep["rows"] if r["method"] == "lookup"]
-    assert len(rows) == 2 and sweep["best"]["lookup"] == max(rows, key=lambda r: r["tokens_per_s"])["tree"]
+    for method, n in (("lookup", 2), ("moa", 3)):  # prompt lookup has no siblings to fill a wide adaptive tree
+        rows = [r for r in sweep["rows"] if r["method"] == method]
+        assert len(rows) == n and sweep["best"][method] == max(rows, key=lambda r: r["tokens_per_s"])["tree"]
 
 
 def test_bench_bad_method_and_missing_checkpoint(tmp_path):

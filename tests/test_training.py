@@ -239,6 +239,19 @@ def test_training_resumes_and_is_deterministic(tmp_path):
     assert all((straight[k] - resumed[k]).abs().max() < 1e-5 for k in straight)
 
 
+def test_answers_only_trains_on_the_targets_answers(tmp_path):
+    data = _slice(tmp_path, 8, 2)
+    src = sorted(DATA.glob("smollm2-135m-*/manifest.json"))[0].parent
+    fraction = json.loads((src / "config.json").read_text())["val_fraction"]
+    text = [r for r in D.read_shard(D.shards(src, "text")[0]) if not D.is_val(r.id, fraction)][:4]
+    D.write_shard(data / "text-00000.npz", text)
+    cfg = dict(data=str(data), steps=1, batch_size=1, max_len=64, vocab_ids=1024, val_sequences=2)
+    every = Trainer(TrainConfig(out=str(tmp_path / "a"), **cfg)).train
+    answers = Trainer(TrainConfig(out=str(tmp_path / "b"), answers_only=True, **cfg)).train
+    assert answers and all(e.answer_from_target for e in answers)
+    assert len(answers) < len(every) and {e.index for e in answers} < {e.index for e in every}
+
+
 def test_sigterm_stops_after_the_step_saved_and_resumes(tmp_path, monkeypatch):
     """A job ended by SIGTERM (a session's stop) saves after the current step and loses nothing."""
     import os
@@ -310,6 +323,19 @@ def test_feature_cache_computes_once_and_matches_the_target(tmp_path):
     assert torch.equal(again.get(1).K, got.K) and again.computed_tokens == 0
     other = FeatureCache(target, "fp", [[1, 2, 3]], (L,), greedy=False, root=tmp_path)
     assert other.folder != cache.folder
+    # a run that needs fewer layers (MoA N=0 alone) reads the cache written beside N=1, and what it
+    # computes there is every layer the folder keeps, so the wider run finds it complete
+    narrow = FeatureCache(target, "fp", seqs, (L,), greedy=True, root=tmp_path)
+    assert narrow.folder == cache.folder and narrow.done.tolist() == [False, True]
+    assert torch.equal(narrow.get(1).hidden[L], got.hidden[L]) and narrow.computed_tokens == 0
+    narrow.get(0)
+    narrow.flush()
+    wide = FeatureCache(target, "fp", seqs, (L - 1, L), greedy=True, root=tmp_path)
+    first = wide.get(0)
+    assert wide.computed_tokens == 0 and set(first.hidden) == {L - 1, L}
+    want = compute(target, seqs[0], (L - 1, L), greedy=True)
+    assert (first.hidden[L - 1] - want.hidden[L - 1]).abs().max() < 1e-2 * want.hidden[L - 1].abs().max()
+    assert FeatureCache(target, "fp", seqs, (L - 2,), greedy=True, root=tmp_path).folder != cache.folder
 
 
 def test_data_parallel_training_matches_one_process(tmp_path):

@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--epochs", type=float, default=0.0, help="if > 0: passes over the data (sets --steps)")
     tr.add_argument("--data-tokens", type=int, default=0,
                     help="train on a seeded subset of about this many tokens (0 = all): points of a learning curve")
+    tr.add_argument("--answers-only", action="store_true",
+                    help="train on the target's own answers in the data only, not on package text")
     tr.add_argument("--no-feature-cache", action="store_true",
                     help="run the target for every step instead of caching its features on disk")
     tr.add_argument("--batch-size", type=int, default=4,
@@ -641,6 +643,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_model_name(args.model, "--model")
     cfg = TrainConfig(model=args.model, data=args.data, out=args.out, kind=args.kind, tli_layers=args.tli,
                       vocab_ids=args.vocab, steps=args.steps, epochs=args.epochs, data_tokens=args.data_tokens,
+                      answers_only=args.answers_only,
                       feature_cache=not args.no_feature_cache, batch_size=args.batch_size, max_len=args.max_len,
                       lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device, init=args.init)
     result = Trainer(cfg).run()

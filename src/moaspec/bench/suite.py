@@ -46,7 +46,8 @@ METHODS = ("plain", *PEERS, "lookup", "suffix", "model", *TRAINED_METHODS, *HYBR
 # Candidate trees of the sweep: chains, small CPU trees, and the paper's GPU default for contrast.
 SWEEP_TREES = (TreeConfig(1, 1, 1), TreeConfig(2, 1, 2), TreeConfig(3, 1, 3), TreeConfig(4, 1, 4),
                TreeConfig(5, 1, 5), TreeConfig(3, 2, 4), TreeConfig(4, 2, 6), TreeConfig(4, 4, 6),
-               TreeConfig(5, 4, 8), TreeConfig(6, 4, 12), PAPER_GPU_TREE, TreeConfig.parse("adaptive"))
+               TreeConfig(5, 4, 8), TreeConfig(6, 4, 12), PAPER_GPU_TREE, TreeConfig.parse("adaptive"),
+               TreeConfig.parse("adaptive:8x2"))
 
 
 @dataclass
@@ -268,14 +269,16 @@ class Bench:
     # ---------------------------------------------------------------- the tree sweep
     def sweep(self, questions: list[Question], trees: tuple[TreeConfig, ...] = SWEEP_TREES) -> dict:
         """tokens/s of every (method, tree) over a few first turns at T=0, interleaved per question
-        against plain decoding; the best tree per method."""
+        against plain decoding; the best tree per method. Adaptive trees wider than a chain only for
+        drafters whose siblings come from one draft step (`Drafter.branching`)."""
         cands = {m.name: m for m in self.methods if m.name not in PEERS and m.name != "plain"}
         engines = {}
         for name, m in cands.items():
             for tree in trees:
                 self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
                                      hybrid_policy=m.policy)
-                engines[(name, tree)] = self.dec.engine
+                if not tree.adaptive or tree.topk == 1 or self.dec.drafter.branching:
+                    engines[(name, tree)] = self.dec.engine
         plain = Method("plain")
         tok = {k: 0 for k in engines} | {("plain", None): 0}
         secs = dict.fromkeys(tok, 0.0)

@@ -5,7 +5,9 @@ token's features are computed the first time an example is used and read back fr
 second epoch, every further drafter trained on the same data and the points of a learning curve cost
 only the drafters' own passes. Stored as fp16 memory-mapped .npy files (sparse until written) under
 the model cache, keyed by the target's weights, the layers kept and the examples' token ids; a
-per-example flag records what is written, so a stopped job keeps what it computed. Nothing here
+per-example flag records what is written, so a stopped job keeps what it computed. A cache over the
+same tokens that keeps more layers (written for other drafters, e.g. MoA N=1 beside N=0) serves a
+run that needs fewer: each folder's meta.json says what it holds. Nothing here
 goes into git: the committed token ids rebuild it.
 
 Per token: every layer's K and V (MoA's Layer Self-Attention reads them all) and the input of the
@@ -60,18 +62,51 @@ def compute(target: Transformer, ids: list[int], layers: tuple[int, ...], greedy
     return Features(K, V, hidden, argmax)
 
 
+META = "meta.json"
+
+
+def _wider_cache(root: Path, sequences_key: str, layers: tuple[int, ...]) -> tuple[Path, tuple[int, ...]] | None:
+    """A cache folder over the same sequences (and target, and greedy flag) that keeps a superset of
+    `layers`, with the layers it keeps; the one with the fewest layers."""
+    found = []
+    for meta in root.glob(f"*/{META}"):
+        try:
+            m = json.loads(meta.read_text())
+            kept = tuple(sorted(int(x) for x in m["layers"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if m.get("sequences_key") == sequences_key and set(layers) <= set(kept):
+            found.append((len(kept), str(meta.parent), kept))
+    if not found:
+        return None
+    _, folder, kept = min(found)
+    return Path(folder), kept
+
+
 class FeatureCache:
-    """Features of a fixed list of sequences, by index; `get` computes and stores on first use."""
+    """Features of a fixed list of sequences, by index; `get` computes and stores on first use (every
+    layer the folder keeps, which may be more than asked for when a wider cache is reused)."""
 
     def __init__(self, target: Transformer, fingerprint: str, sequences: list[list[int]], layers: tuple[int, ...],
                  greedy: bool, root: Path | None = None):
         self.target, self.layers, self.greedy = target, tuple(sorted(layers)), greedy
         c = target.cfg
+        root = root or cache_dir() / "features"
         h = hashlib.sha256(json.dumps([FEATURES_VERSION, fingerprint, self.layers, greedy]).encode())
+        seqs = hashlib.sha256(json.dumps([FEATURES_VERSION, fingerprint, greedy]).encode())
         for ids in sequences:
-            h.update(np.asarray(ids, dtype=np.uint32).tobytes() + b"|")
-        self.folder = (root or cache_dir() / "features") / h.hexdigest()[:16]
+            key = np.asarray(ids, dtype=np.uint32).tobytes() + b"|"
+            h.update(key)
+            seqs.update(key)
+        self.folder = root / h.hexdigest()[:16]
+        if not self.folder.exists():  # the features of more layers (other drafters) over the same tokens serve
+            wider = _wider_cache(root, seqs.hexdigest(), self.layers)
+            if wider is not None:
+                self.folder, self.layers = wider
         self.folder.mkdir(parents=True, exist_ok=True)
+        meta = {"sequences_key": seqs.hexdigest(), "layers": list(self.layers), "sequences": len(sequences)}
+        if not (self.folder / META).exists():
+            (self.folder / META).write_text(json.dumps(meta))
         lengths = np.array([len(s) for s in sequences], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         n = int(self.offsets[-1])

@@ -48,6 +48,7 @@ class TrainConfig:
     model: str = "smollm2-135m"
     data: str = ""  # a `moaspec data` folder (training.data)
     data_tokens: int = 0  # train on a seeded subset of this many tokens (0 = all): learning curves
+    answers_only: bool = False  # train on the target's own answers only, not on package text
     epochs: float = 0.0  # > 0: steps = epochs x the subset's sequences / batch_size (overrides steps)
     out: str = "runs/moa"
     kind: str = "moa"  # comma-separated among "moa", "eagle", "independent": trained side by side
@@ -207,8 +208,9 @@ class Trainer:
         if manifest.exists() and json.loads(manifest.read_text()).get("target_fingerprint") != fingerprint:
             raise UserError(f"{cfg.data} was built for other weights than {cfg.model}'s: pass its own --model")
         splits = load_examples(cfg.data, cfg.max_len)
-        everything = splits["train"]
-        self.train = subset(everything, cfg.data_tokens, cfg.seed) if cfg.data_tokens else everything
+        everything = splits["train"]  # the feature cache's key: every subset of it shares one cache
+        pool = [e for e in everything if e.answer_from_target] if cfg.answers_only else everything
+        self.train = subset(pool, cfg.data_tokens, cfg.seed) if cfg.data_tokens else pool
         # validation: the target's own answers only (package text is not what the target writes)
         val = [e for e in splits["val"]
                if e.answer_from_target and e.prompt_len < len(e.ids) - 2][: cfg.val_sequences]
@@ -477,7 +479,8 @@ class Trainer:
         for st in self.students:
             result["drafters"][st.label] = {"seconds": round(st.seconds, 1), "final_val": final.get(st.label)}
             if self.rank == 0 and self.step == cfg.steps and (self.out / st.label).exists():
-                info = {"data": cfg.data, "data_tokens": self.train_tokens, "epochs": cfg.epochs,
+                info = {"data": cfg.data, "data_tokens": self.train_tokens, "answers_only": cfg.answers_only,
+                        "epochs": cfg.epochs,
                         "steps": cfg.steps, "batch_size": cfg.batch_size, "max_len": cfg.max_len,
                         "vocab_ids": cfg.vocab_ids, "threads": torch.get_num_threads(), "train_tokens": tokens,
                         "trained_with": [s.label for s in self.students], "shared_target_seconds": result[
