@@ -152,6 +152,8 @@ BAD_INPUT = {
     "chat system not UTF-8": ["chat", "--system", "\udcff"],
     "no command": [],
     "unknown command": ["train"],
+    "train spacing backwards": ["train", "--data", "nowhere", "--out", "nowhere", "--every", "4-1"],
+    "train spacing not numbers": ["train", "--data", "nowhere", "--out", "nowhere", "--every", "1-x"],
     "install unknown model": ["models", "install", "gpt-5"],
 }
 
