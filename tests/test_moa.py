@@ -38,19 +38,16 @@ NAME, FINGERPRINT = "smollm2-135m", "0123456789abcdef"
 TRAINABLE = ("sa.", "ca.", "encoder.lsa.", "encoder.proj.")
 
 
-def _cfg(target, tli_layers=0, vocab_ids=0, final_state=False):
+def _cfg(target, tli_layers=0, vocab_ids=0):
     return MoAConfig.for_target(target.cfg, tli_layers=tli_layers, vocab_ids=vocab_ids, target_name=NAME,
-                                target_fingerprint=FINGERPRINT, final_state=final_state)
+                                target_fingerprint=FINGERPRINT)
 
 
-def _drafter(target, tli_layers=0, vocab_ids=0, seed=0, final_state=False):
+def _drafter(target, tli_layers=0, vocab_ids=0, seed=0):
     torch.manual_seed(seed)
-    cfg = _cfg(target, tli_layers, vocab_ids, final_state)
+    cfg = _cfg(target, tli_layers, vocab_ids)
     ids = torch.randperm(cfg.vocab_size)[:vocab_ids] if vocab_ids else None
-    d = MoADrafter.from_target(target, cfg, vocab_ids=ids).eval()
-    if final_state:  # it starts at zero (the paper's drafter): random weights make the tests see it
-        torch.nn.init.normal_(d.encoder.final_proj.weight, std=0.02)
-    return d
+    return MoADrafter.from_target(target, cfg, vocab_ids=ids).eval()
 
 
 def _generate(engine: Engine, ids: list[int], n: int) -> list[int]:
@@ -61,11 +58,10 @@ def _generate(engine: Engine, ids: list[int], n: int) -> list[int]:
 def _training_inputs(target, drafter: MoADrafter, seq: list[int]):
     """The target's K/V over a whole sequence -> (context vectors [1, T, D], tail K/V [1, N, Hkv, T, d])."""
     target.reset()
-    L = target.cfg.num_layers
-    final = target.prefill(seq, hidden_layers=(L,)).hidden[L]
+    target.prefill(seq)
     K, V = target.kv(slice(0, len(seq)))  # [L, Hkv, T, d]
     with torch.no_grad():
-        ctx = drafter.encoder(K.permute(2, 0, 1, 3)[None], V.permute(2, 0, 1, 3)[None], final[None])
+        ctx = drafter.encoder(K.permute(2, 0, 1, 3)[None], V.permute(2, 0, 1, 3)[None])
     N = drafter.cfg.tli_layers
     tail = (K[-N:][None].clone(), V[-N:][None].clone()) if N else None
     target.reset()
@@ -186,9 +182,9 @@ def greedy_reference(smol_model, smol_tokenizer):
     return [(ids, _generate(engine, ids, 32)) for ids in prompts]
 
 
-@pytest.mark.parametrize("tli_layers,vocab_ids,final_state", [(0, 0, False), (1, 4096, False), (0, 4096, True)])
-def test_untrained_drafter_in_engine_is_lossless(smol_model, greedy_reference, tli_layers, vocab_ids, final_state):
-    d = _drafter(smol_model, tli_layers, vocab_ids, final_state=final_state)
+@pytest.mark.parametrize("tli_layers,vocab_ids", [(0, 0), (1, 4096)])
+def test_untrained_drafter_in_engine_is_lossless(smol_model, greedy_reference, tli_layers, vocab_ids):
+    d = _drafter(smol_model, tli_layers, vocab_ids)
     engine = Engine(LocalTarget(smol_model, d.encoder), d, TreeConfig(depth=3, topk=2, total_tokens=4))
     for ids, expected in greedy_reference:
         assert _generate(engine, ids, 32) == expected
@@ -231,9 +227,9 @@ def _check_round(smol_model, d: MoADrafter, seen: dict, committed: list[int], ro
         assert abs(score - tree.scores[node]) < TOL
 
 
-@pytest.mark.parametrize("tli_layers,vocab_ids,final_state", [(0, 0, False), (1, 2048, False), (0, 2048, True)])
-def test_inference_equals_training_with_masks(smol_model, monkeypatch, tli_layers, vocab_ids, final_state):
-    d = _drafter(smol_model, tli_layers, vocab_ids, seed=1, final_state=final_state)
+@pytest.mark.parametrize("tli_layers,vocab_ids", [(0, 0), (1, 2048)])
+def test_inference_equals_training_with_masks(smol_model, monkeypatch, tli_layers, vocab_ids):
+    d = _drafter(smol_model, tli_layers, vocab_ids, seed=1)
     prompt = list(range(1000, 1012))
     # The target's own greedy continuation, so that a chain of it is accepted in full below.
     plain = _generate(Engine(LocalTarget(smol_model), None), prompt, 5)
@@ -282,67 +278,6 @@ def test_checkpoint_round_trip(smol_model, tmp_path):
     half = moa.load(tmp_path / "fp16", smol_model, NAME, FINGERPRINT)
     with torch.no_grad():
         assert (half.forward_train(torch.tensor([seq]), ctx, start, tail).logits - ref).abs().max() < 0.05
-
-
-def test_final_state_context(smol_model, tmp_path):
-    """`final_state` (not in the paper): each context vector also reads the token's final normed state.
-    At zero it is the paper's drafter (a fine-tune from one starts where it was); it is saved, and the
-    target-side half alone (`load_encoder`, what a server runs) encodes what training computes."""
-    L = smol_model.cfg.num_layers
-    paper = _drafter(smol_model, seed=3)
-    d = MoADrafter.from_target(smol_model, dataclasses.replace(paper.cfg, final_state=True)).eval()
-    assert paper.encoder.hidden_layers == () and d.encoder.hidden_layers == (L,)
-    missing, unexpected = d.load_state_dict(paper.state_dict(), strict=False)
-    assert missing == ["encoder.final_proj.weight"] and not unexpected
-    seq = list(range(700, 716))
-    assert torch.equal(_training_inputs(smol_model, d, seq)[0], _training_inputs(smol_model, paper, seq)[0])
-    assert param_count(d.cfg) == param_count(paper.cfg) + smol_model.cfg.hidden_size ** 2
-
-    torch.nn.init.normal_(d.encoder.final_proj.weight, std=0.02)
-    ctx = _training_inputs(smol_model, d, seq)[0]
-    assert not torch.allclose(ctx, _training_inputs(smol_model, paper, seq)[0], atol=1e-3)
-    with pytest.raises(ValueError, match="final states"):
-        d.encoder(torch.zeros(1, 2, L, 3, 64), torch.zeros(1, 2, L, 3, 64))
-    moa.save(d, tmp_path / "fs")
-    assert json.loads((tmp_path / "fs" / "config.json").read_text())["final_state"] is True
-    loaded = moa.load(tmp_path / "fs", smol_model, NAME, FINGERPRINT)
-    assert loaded.cfg.final_state and torch.equal(_training_inputs(smol_model, loaded, seq)[0], ctx)
-    encoder = moa.load_encoder(tmp_path / "fs", smol_model, NAME, FINGERPRINT)
-    smol_model.reset()
-    out = smol_model.prefill(seq, hidden_layers=encoder.hidden_layers)
-    served = encoder.encode(smol_model.cache, torch.arange(len(seq)), out.hidden)
-    smol_model.reset()
-    assert (served.vectors - ctx[0]).abs().max() < 1e-3
-
-
-def test_widen_keeps_the_function(smol_model):
-    """`widen`: more Cross-Attention KV heads (each repeated for its query group) and a zero final-state
-    projection give the same drafts as the narrow drafter, in training and at inference."""
-    narrow = _drafter(smol_model, vocab_ids=2048, seed=4)
-    wide_cfg = dataclasses.replace(narrow.cfg, ca_kv_heads=narrow.cfg.ca_heads, final_state=True)
-    assert narrow.cfg.ca_kv_heads < wide_cfg.ca_kv_heads
-    wide = MoADrafter.from_target(smol_model, wide_cfg).eval()
-    wide.load_state_dict(moa.widen(narrow.state_dict(), narrow.cfg, wide_cfg))
-    seq = list(range(800, 820))
-    start = verification_starts(len(seq), 8, 4)
-    outs = []
-    for d in (narrow, wide):
-        ctx, _ = _training_inputs(smol_model, d, seq)
-        with torch.no_grad():
-            outs.append(d.forward_train(torch.tensor([seq]), ctx, start).logits)
-    assert (outs[0] - outs[1]).abs().max() < TOL
-    prompt = list(range(900, 930))
-    trees = []
-    for d in (narrow, wide):
-        target = LocalTarget(smol_model, d.encoder)
-        step = target.start(prompt, GenerationConfig().sampling)
-        d.begin(prompt, step.context)
-        trees.append(d.propose(step.verdict.bonus, TreeConfig(depth=3, topk=2, total_tokens=6)))
-    assert trees[0].tokens == trees[1].tokens
-    with pytest.raises(UserError, match="widens only"):
-        moa.widen(wide.state_dict(), wide_cfg, narrow.cfg)
-    with pytest.raises(UserError, match="widens only"):
-        moa.widen(narrow.state_dict(), narrow.cfg, dataclasses.replace(narrow.cfg, sa_mlp=64))
 
 
 def test_checkpoint_errors(smol_model, tmp_path):

@@ -133,14 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drafter(s) to train, comma-separated among moa, eagle, independent; several train "
                          "side by side on one target pass per sequence (same data, steps and budget)")
     tr.add_argument("--tli", default="0", help="MoA Target Layer Inference N; e.g. 0,1,3 trains one MoA per N")
-    tr.add_argument("--final-state", action="store_true",
-                    help="MoA's context vectors also read the target's final state of each verified token "
-                         "(not in the paper: LSA sees every layer's K/V, never the last layer's output)")
-    tr.add_argument("--ca-kv-heads", type=int, default=0,
-                    help="MoA Cross-Attention KV heads (0: the paper's sizing; up to its query heads)")
     tr.add_argument("--every", default="6-14", metavar="MIN-MAX",
-                    help="MoA: a verified slot every MIN..MAX tokens (drawn per sequence), so it learns to draft "
-                         "1..MAX steps ahead; the paper's 6-14 suits deep trees, 1-4 the short chains of a CPU")
+                    help="MoA: a verified slot every MIN..MAX tokens (drawn per sequence), so that it learns to "
+                         "draft 1..MAX steps ahead (the paper: 6-14)")
     tr.add_argument("--vocab", type=int, default=16384, help="trimmed drafter head size K (0 = full)")
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--epochs", type=float, default=0.0, help="if > 0: passes over the data (sets --steps)")
@@ -658,8 +653,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError(f"--every takes MIN-MAX (two integers, e.g. 1-4) or one integer, not {args.every!r}") from None
     cfg = TrainConfig(model=args.model, data=args.data, out=args.out, kind=args.kind, tli_layers=args.tli,
                       vocab_ids=args.vocab, steps=args.steps, epochs=args.epochs, data_tokens=args.data_tokens,
-                      answers_only=args.answers_only, final_state=args.final_state,
-                      ca_kv_heads=args.ca_kv_heads, every_min=every[0], every_max=every[1],
+                      answers_only=args.answers_only, every_min=every[0], every_max=every[1],
                       feature_cache=not args.no_feature_cache, batch_size=args.batch_size, max_len=args.max_len,
                       lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device, init=args.init)
     result = Trainer(cfg).run()

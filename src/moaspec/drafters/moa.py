@@ -23,7 +23,6 @@ masks) is in `drafters/trained.py`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -93,9 +92,6 @@ class MoAConfig(TargetBoundConfig):
     lsa_head_dim: int
     lsa_mlp: int
     tli_layers: int = 0  # N: target layers run on top of the drafter (0, 1 or 3 in the paper)
-    # not in the paper: each context vector also gets a projection of the target's final normed state of
-    # its token, which LSA never sees (the last layer's K/V are made from that layer's input)
-    final_state: bool = False
     vocab_ids: int = 0  # size K of the trimmed LM head; 0 = the full vocabulary
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
@@ -229,8 +225,9 @@ class MoAContext:
 
 
 class ContextEncoder(nn.Module):
-    """Target side of MoA: Layer Self-Attention over all layers' K/V of a token, mean, projection
-    (plus, with `final_state`, a projection of the token's final normed state)."""
+    """Target side of MoA: Layer Self-Attention over all layers' K/V of a token, mean, projection."""
+
+    hidden_layers: tuple[int, ...] = ()  # it reads the target's KV cache, no hidden states
 
     def __init__(self, cfg: MoAConfig):
         super().__init__()
@@ -238,9 +235,6 @@ class ContextEncoder(nn.Module):
         E = cfg.lsa_hidden
         self.lsa = DecoderLayer(E, cfg.lsa_heads, cfg.lsa_kv_heads, cfg.lsa_head_dim, cfg.lsa_mlp, cfg.rms_eps)
         self.proj = DraftLinear(E, cfg.hidden_size, bias=True)
-        # the target's states `encode` reads: none (the KV cache only), or the final one
-        self.hidden_layers: tuple[int, ...] = (cfg.num_layers,) if cfg.final_state else ()
-        self.final_proj = DraftLinear(cfg.hidden_size, cfg.hidden_size, bias=False) if cfg.final_state else None
         cos, sin = rope(cfg.rope_theta, cfg.lsa_head_dim, cfg.num_layers)  # positions 0..L-1 = layers
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -253,15 +247,10 @@ class ContextEncoder(nn.Module):
         x = self.lsa(x.reshape(-1, L, x.shape[-1]), self.cos, self.sin)  # bidirectional: no mask
         return x.view(*lead, L, x.shape[-1])
 
-    def forward(self, k: torch.Tensor, v: torch.Tensor, final: torch.Tensor | None = None) -> torch.Tensor:
-        """Training entry point: k, v [B, T, L, Hkv, d] (any leading dims; keys after RoPE, as cached) and
-        the target's final normed states [B, T, D] (read with `final_state` only) -> context vectors [B, T, D]."""
-        c = self.proj(self.layer_states(k, v).mean(-2))
-        if self.final_proj is None:
-            return c
-        if final is None:
-            raise ValueError("this MoA encoder (final_state) needs the target's final states")
-        return c + self.final_proj(final)
+    def forward(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Training entry point: k, v [B, T, L, Hkv, d] (any leading dims; keys after RoPE, as cached)
+        -> context vectors [B, T, D]."""
+        return self.proj(self.layer_states(k, v).mean(-2))
 
     # tokens per LSA call on the inference path: a chunk's activations ([chunk * L, 2*Hkv*d] floats) stay
     # in the L2 cache, where one call over a long prompt allocates and streams them from memory
@@ -283,8 +272,6 @@ class ContextEncoder(nn.Module):
         chunks = [proj(self.lsa.infer(x[s:s + self.CHUNK], self.cos, self.sin_signed, kern=kern).mean(-2))
                   for s in range(0, n, self.CHUNK)] or [x.new_zeros(0, self.cfg.hidden_size)]
         vectors = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        if self.final_proj is not None:
-            vectors = vectors + self.final_proj.kernel()(hidden[self.cfg.num_layers])
         N = self.cfg.tli_layers
         tail = (K[-N:].clone(), V[-N:].clone()) if N else None
         return MoAContext(vectors, tail)
@@ -321,8 +308,6 @@ class MoADrafter(TargetBoundDrafter):
             self.register_buffer(f"{name}_sin", sin, persistent=False)
             self.register_buffer(f"{name}_sin_signed", signed_sin(sin), persistent=False)  # inference path
         self.apply(self._init_weights)
-        if self.encoder.final_proj is not None:  # starts as the paper's drafter: fine-tunes keep their function
-            nn.init.zeros_(self.encoder.final_proj.weight)
         # frozen target parts besides the embedding and LM head (attach)
         self.tli: list[FrozenTargetLayer] = []
         self.final_norm: torch.Tensor | None = None
@@ -542,24 +527,6 @@ def load_encoder(folder: str | Path, target: Transformer, target_name: str, fing
     return encoder
 
 
-def widen(state: dict[str, torch.Tensor], old: MoAConfig, new: MoAConfig) -> dict[str, torch.Tensor]:
-    """A trained drafter's weights for a wider config that computes the same function: more Cross-Attention
-    KV heads (each old KV head repeated for the query heads of its group, as grouped-query attention
-    shares it) and/or the final-state projection (at zero). The start of a fine-tune of the wider drafter;
-    UserError for any other difference."""
-    if dataclasses.replace(old, ca_kv_heads=new.ca_kv_heads, final_state=new.final_state) != new or \
-            (old.final_state and not new.final_state) or new.ca_kv_heads % old.ca_kv_heads:
-        raise UserError(f"a MoA drafter widens only in ca_kv_heads (to a multiple) and final_state: {old} -> {new}")
-    out = dict(state)
-    r = new.ca_kv_heads // old.ca_kv_heads
-    for name in ("ca.k.weight", "ca.v.weight"):
-        w = state[name]
-        out[name] = w.view(old.ca_kv_heads, old.ca_head_dim, -1).repeat_interleave(r, 0).reshape(-1, w.shape[-1])
-    if new.final_state and not old.final_state:
-        out["encoder.final_proj.weight"] = state["ca.k.weight"].new_zeros(new.hidden_size, new.hidden_size)
-    return out
-
-
 def param_count(cfg: MoAConfig) -> int:
     """Trainable parameters of a drafter with these sizes (no memory used)."""
     return MoADrafter.param_count(cfg)
@@ -582,5 +549,4 @@ __all__ = [
     "save",
     "tli_mask",
     "verification_starts",
-    "widen",
 ]

@@ -53,8 +53,6 @@ class TrainConfig:
     out: str = "runs/moa"
     kind: str = "moa"  # comma-separated among "moa", "eagle", "independent": trained side by side
     tli_layers: int | str = 0  # MoA Target Layer Inference N; "0,1,3" trains one MoA per N
-    final_state: bool = False  # MoA's context vectors also read the target's final state (not in the paper)
-    ca_kv_heads: int = 0  # MoA Cross-Attention KV heads (0: as the paper sizes it for the target)
     vocab_ids: int = 16384  # trimmed drafter head (0 = full vocabulary)
     steps: int = 300
     batch_size: int = 4
@@ -64,7 +62,7 @@ class TrainConfig:
     warmup: int = 30
     clip: float = 1.0
     # verified slots every `every` tokens, drawn per sequence: MoA trains drafting 1..every steps ahead
-    # (the paper's 6-14 suits deep GPU trees; chains of 1-3 tokens want short spacings)
+    # (the paper's 6-14; 1-4, for this CPU's chains of 1-3 tokens, measured no better: README)
     every_min: int = 6
     every_max: int = 14
     ce_weight: float = 0.1
@@ -236,9 +234,7 @@ class Trainer:
         self.students: list[Student] = []
         for label, kind, n in specs:
             if kind == "moa":
-                dcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=n, final_state=cfg.final_state,
-                                                **({"ca_kv_heads": cfg.ca_kv_heads} if cfg.ca_kv_heads else {}),
-                                                **common)
+                dcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=n, **common)
                 drafter = moa.MoADrafter.from_target(self.target, dcfg, vocab)
             elif kind == "eagle":
                 ecfg = matched_eagle_config(self.target.cfg, common) if cfg.match_params else \
@@ -311,7 +307,7 @@ class Trainer:
         target_row = rows
         L = self.target.cfg.num_layers
         if st.kind == "moa":
-            ctx = drafter.encoder(tp["k"][None], tp["v"][None], tp["final"][None])
+            ctx = drafter.encoder(tp["k"][None], tp["v"][None])
             visible = None
             if context_mean:  # row i reads one vector: the mean of the contexts it may read (j <= start_i)
                 ctx = ctx.cumsum(1) / torch.arange(1, T + 1, device=dev)[None, :, None]
@@ -575,16 +571,12 @@ class Trainer:
     def load_drafters(self, folder: Path) -> None:
         """Every drafter's weights from `folder`/<label> (a run, or one of a learning curve's points). A
         drafter saved at another size than this config builds (an EAGLE-2 trained before `match_params`)
-        is taken at its own size, with a new optimiser. A MoA saved narrower than asked for (fewer
-        Cross-Attention KV heads, no final state) starts the wider one as the same function (`moa.widen`)."""
+        is taken at its own size, with a new optimiser."""
         for st in self.students:
             fresh = KINDS[st.kind].load(folder / st.label, self.target, self.cfg.model,
                                         st.drafter.cfg.target_fingerprint)
             if fresh.cfg == st.drafter.cfg:
                 st.drafter.load_state_dict(fresh.state_dict())
-            elif st.kind == "moa" and (st.drafter.cfg.final_state or
-                                        st.drafter.cfg.ca_kv_heads != fresh.cfg.ca_kv_heads):
-                st.drafter.load_state_dict(moa.widen(fresh.state_dict(), fresh.cfg, st.drafter.cfg))
             else:
                 st.drafter = fresh.train(st.drafter.training)
                 st.opt = self._optimizer(fresh)
@@ -657,8 +649,6 @@ def _exported_config(folder: Path) -> dict | None:
     tlis = sorted({c.get("tli_layers", 0) for c in configs if c["kind"] == "moa"}) or [0]
     return {**asdict(TrainConfig()), "model": configs[0]["target_name"], "data": info["data"],
             "kind": ",".join(kinds), "tli_layers": ",".join(map(str, tlis)), "vocab_ids": configs[0]["vocab_ids"],
-            "final_state": any(c.get("final_state", False) for c in configs if c["kind"] == "moa"),
-            "ca_kv_heads": max([c["ca_kv_heads"] for c in configs if c["kind"] == "moa"], default=0),
             "max_len": info.get("max_len", TrainConfig.max_len), "batch_size": info.get("batch_size", 4)}
 
 
