@@ -38,16 +38,19 @@ NAME, FINGERPRINT = "smollm2-135m", "0123456789abcdef"
 TRAINABLE = ("sa.", "ca.", "encoder.lsa.", "encoder.proj.")
 
 
-def _cfg(target, tli_layers=0, vocab_ids=0):
+def _cfg(target, tli_layers=0, vocab_ids=0, query_state=False):
     return MoAConfig.for_target(target.cfg, tli_layers=tli_layers, vocab_ids=vocab_ids, target_name=NAME,
-                                target_fingerprint=FINGERPRINT)
+                                target_fingerprint=FINGERPRINT, query_state=query_state)
 
 
-def _drafter(target, tli_layers=0, vocab_ids=0, seed=0):
+def _drafter(target, tli_layers=0, vocab_ids=0, seed=0, query_state=False):
     torch.manual_seed(seed)
-    cfg = _cfg(target, tli_layers, vocab_ids)
+    cfg = _cfg(target, tli_layers, vocab_ids, query_state)
     ids = torch.randperm(cfg.vocab_size)[:vocab_ids] if vocab_ids else None
-    return MoADrafter.from_target(target, cfg, vocab_ids=ids).eval()
+    d = MoADrafter.from_target(target, cfg, vocab_ids=ids).eval()
+    if query_state:  # it starts at zero (the paper's drafter): random weights make the tests see it
+        torch.nn.init.normal_(d.state_proj.weight, std=0.02)
+    return d
 
 
 def _generate(engine: Engine, ids: list[int], n: int) -> list[int]:
@@ -56,16 +59,18 @@ def _generate(engine: Engine, ids: list[int], n: int) -> list[int]:
 
 
 def _training_inputs(target, drafter: MoADrafter, seq: list[int]):
-    """The target's K/V over a whole sequence -> (context vectors [1, T, D], tail K/V [1, N, Hkv, T, d])."""
+    """The target's K/V over a whole sequence -> (context vectors [1, T, D], tail K/V [1, N, Hkv, T, d],
+    final states [1, T, D])."""
     target.reset()
-    target.prefill(seq)
+    L = target.cfg.num_layers
+    states = target.prefill(seq, hidden_layers=(L,)).hidden[L][None]
     K, V = target.kv(slice(0, len(seq)))  # [L, Hkv, T, d]
     with torch.no_grad():
         ctx = drafter.encoder(K.permute(2, 0, 1, 3)[None], V.permute(2, 0, 1, 3)[None])
     N = drafter.cfg.tli_layers
     tail = (K[-N:][None].clone(), V[-N:][None].clone()) if N else None
     target.reset()
-    return ctx, tail
+    return ctx, tail, states
 
 
 # ----------------------------------------------------------------------------- masks
@@ -142,7 +147,7 @@ def test_paper_sizes_and_trainable_parameters(smol_model):
 def test_training_gradients_reach_only_trainable_weights(smol_model):
     d = _drafter(smol_model, tli_layers=1).train()
     seq = list(range(200, 216))
-    _, tail = _training_inputs(smol_model, d, seq)
+    _, tail, _ = _training_inputs(smol_model, d, seq)
     smol_model.prefill(seq)
     K, V = smol_model.kv(slice(0, len(seq)))
     smol_model.reset()
@@ -182,9 +187,9 @@ def greedy_reference(smol_model, smol_tokenizer):
     return [(ids, _generate(engine, ids, 32)) for ids in prompts]
 
 
-@pytest.mark.parametrize("tli_layers,vocab_ids", [(0, 0), (1, 4096)])
-def test_untrained_drafter_in_engine_is_lossless(smol_model, greedy_reference, tli_layers, vocab_ids):
-    d = _drafter(smol_model, tli_layers, vocab_ids)
+@pytest.mark.parametrize("tli_layers,vocab_ids,query_state", [(0, 0, False), (1, 4096, False), (0, 4096, True)])
+def test_untrained_drafter_in_engine_is_lossless(smol_model, greedy_reference, tli_layers, vocab_ids, query_state):
+    d = _drafter(smol_model, tli_layers, vocab_ids, query_state=query_state)
     engine = Engine(LocalTarget(smol_model, d.encoder), d, TreeConfig(depth=3, topk=2, total_tokens=4))
     for ids, expected in greedy_reference:
         assert _generate(engine, ids, 32) == expected
@@ -196,10 +201,10 @@ def test_untrained_drafter_in_engine_is_lossless(smol_model, greedy_reference, t
 
 def _train_logprobs(smol_model, d: MoADrafter, seq: list[int], verified: int) -> torch.Tensor:
     """forward_train log-probs [T, K] for `seq`, whose first `verified` slots the target has verified."""
-    ctx, tail = _training_inputs(smol_model, d, seq)
+    ctx, tail, states = _training_inputs(smol_model, d, seq)
     start = verification_starts(len(seq), prompt_len=verified, every=10**6)
     with torch.no_grad():
-        out = d.forward_train(torch.tensor([seq]), ctx, start, tail)
+        out = d.forward_train(torch.tensor([seq]), ctx, start, tail, states=states)
     return torch.log_softmax(out.logits[0], -1)
 
 
@@ -227,9 +232,9 @@ def _check_round(smol_model, d: MoADrafter, seen: dict, committed: list[int], ro
         assert abs(score - tree.scores[node]) < TOL
 
 
-@pytest.mark.parametrize("tli_layers,vocab_ids", [(0, 0), (1, 2048)])
-def test_inference_equals_training_with_masks(smol_model, monkeypatch, tli_layers, vocab_ids):
-    d = _drafter(smol_model, tli_layers, vocab_ids, seed=1)
+@pytest.mark.parametrize("tli_layers,vocab_ids,query_state", [(0, 0, False), (1, 2048, False), (1, 2048, True)])
+def test_inference_equals_training_with_masks(smol_model, monkeypatch, tli_layers, vocab_ids, query_state):
+    d = _drafter(smol_model, tli_layers, vocab_ids, seed=1, query_state=query_state)
     prompt = list(range(1000, 1012))
     # The target's own greedy continuation, so that a chain of it is accepted in full below.
     plain = _generate(Engine(LocalTarget(smol_model), None), prompt, 5)
@@ -256,28 +261,31 @@ def test_inference_equals_training_with_masks(smol_model, monkeypatch, tli_layer
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def test_checkpoint_round_trip(smol_model, tmp_path):
-    d = _drafter(smol_model, tli_layers=1, vocab_ids=1024, seed=2)
+@pytest.mark.parametrize("query_state", [False, True])
+def test_checkpoint_round_trip(smol_model, tmp_path, query_state):
+    d = _drafter(smol_model, tli_layers=1, vocab_ids=1024, seed=2, query_state=query_state)
     seq = list(range(500, 520))
-    ctx, tail = _training_inputs(smol_model, d, seq)
+    ctx, tail, states = _training_inputs(smol_model, d, seq)
     start = verification_starts(len(seq), 6, 5)
     with torch.no_grad():
-        ref = d.forward_train(torch.tensor([seq]), ctx, start, tail).logits
+        ref = d.forward_train(torch.tensor([seq]), ctx, start, tail, states=states).logits
     moa.save(d, tmp_path / "fp32")
     config = json.loads((tmp_path / "fp32" / "config.json").read_text())
     assert config["kind"] == "moa" and config["target_name"] == NAME and config["target_fingerprint"] == FINGERPRINT
     assert config["tli_layers"] == 1 and config["vocab_ids"] == 1024 and config["hidden_size"] == 576
+    assert config["query_state"] == query_state
     loaded = moa.load(tmp_path / "fp32", smol_model, NAME, FINGERPRINT)
     assert torch.equal(loaded.vocab_ids, d.vocab_ids)
     with torch.no_grad():
-        assert torch.equal(loaded.forward_train(torch.tensor([seq]), ctx, start, tail).logits, ref)
+        assert torch.equal(loaded.forward_train(torch.tensor([seq]), ctx, start, tail, states=states).logits, ref)
 
     moa.save(d, tmp_path / "fp16", fp16=True)
     assert (tmp_path / "fp16" / "model.safetensors").stat().st_size < 0.6 * (
         tmp_path / "fp32" / "model.safetensors").stat().st_size
     half = moa.load(tmp_path / "fp16", smol_model, NAME, FINGERPRINT)
     with torch.no_grad():
-        assert (half.forward_train(torch.tensor([seq]), ctx, start, tail).logits - ref).abs().max() < 0.05
+        assert (half.forward_train(torch.tensor([seq]), ctx, start, tail, states=states).logits - ref).abs().max() \
+            < 0.05
 
 
 def test_checkpoint_errors(smol_model, tmp_path):

@@ -75,7 +75,8 @@ def test_partial_target_loads_only_what_a_drafter_shares(smol_folder, smol_model
 def test_context_wire_encodings(wire, tol):
     g = torch.Generator().manual_seed(0)
     ctx = MoAContext(torch.randn(5, 64, generator=g), (torch.randn(1, 2, 5, 8, generator=g),
-                                                        torch.randn(1, 2, 5, 8, generator=g)))
+                                                        torch.randn(1, 2, 5, 8, generator=g)),
+                     torch.randn(1, 64, generator=g))  # the last token's final state (query_state)
     data = encode(ctx, wire)
     back = decode(data)
     assert isinstance(back, MoAContext) and len(back) == 5
@@ -85,6 +86,8 @@ def test_context_wire_encodings(wire, tol):
     assert sizes["int8"] < sizes["fp16"] < sizes["fp32"]
     with pytest.raises(UserError, match="malformed"):
         decode(b"not safetensors")
+    with pytest.raises(UserError, match="final state"):
+        MoAContext.from_tensors({"vectors": torch.zeros(5, 64), "state": torch.zeros(2, 64)})
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "moa", "eagle"])

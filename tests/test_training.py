@@ -414,6 +414,29 @@ def test_fine_tune_from_a_drafter_of_another_size(tmp_path):
     assert resumed.step == 3 and resumed.students[0].drafter.cfg == old.students[0].drafter.cfg
 
 
+def test_fine_tune_adds_the_query_state(tmp_path):
+    """`--query-state` from a paper MoA (`--init`): the same weights, the state projection at zero (so it
+    starts as the paper's drafter: same validation loss), and that projection trains; an exported run
+    says so, for `bench.agreement` and further fine-tunes."""
+    data = _slice(tmp_path, 8, 2)
+    cfg = dict(kind="moa", data=str(data), batch_size=1, max_len=64, vocab_ids=1024, warmup=1, val_every=1000,
+               save_every=1000, val_sequences=2, seed=0)
+    old = Trainer(TrainConfig(out=str(tmp_path / "old"), steps=2, **cfg))
+    old.run()
+    tuned = Trainer(TrainConfig(out=str(tmp_path / "ft"), steps=2, init=str(tmp_path / "old"), query_state=True,
+                                **cfg))
+    st = tuned.students[0]
+    assert st.drafter.cfg.query_state and not old.students[0].drafter.cfg.query_state
+    weights = st.drafter.state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in old.students[0].drafter.state_dict().items())
+    assert not weights["state_proj.weight"].any()
+    assert tuned.validate()["moa"]["loss"] == pytest.approx(old.validate()["moa"]["loss"], abs=1e-5)
+    tuned.run()
+    assert st.drafter.state_proj.weight.abs().sum() > 0
+    export(tmp_path / "ft", tmp_path / "ship")
+    assert run_config(tmp_path / "ship")["query_state"] is True and run_config(tmp_path / "old")["query_state"] is False
+
+
 def test_agreement_on_bench_answers(tmp_path):
     """`bench.agreement`: a training run's drafters scored teacher-forced on a benchmark run's plain
     answers (every turn, rebuilt with the benchmark's own chat prompts), beside the benchmark's

@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--every", default="6-14", metavar="MIN-MAX",
                     help="MoA: a verified slot every MIN..MAX tokens (drawn per sequence), so that it learns to "
                          "draft 1..MAX steps ahead (the paper: 6-14)")
+    tr.add_argument("--query-state", action="store_true",
+                    help="MoA's query rows also read the target's final state of the last verified token, as "
+                         "EAGLE-2 does (not in the paper; --init from a paper MoA starts it as that drafter)")
     tr.add_argument("--vocab", type=int, default=16384, help="trimmed drafter head size K (0 = full)")
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--epochs", type=float, default=0.0, help="if > 0: passes over the data (sets --steps)")
@@ -654,6 +657,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(model=args.model, data=args.data, out=args.out, kind=args.kind, tli_layers=args.tli,
                       vocab_ids=args.vocab, steps=args.steps, epochs=args.epochs, data_tokens=args.data_tokens,
                       answers_only=args.answers_only, every_min=every[0], every_max=every[1],
+                      query_state=args.query_state,
                       feature_cache=not args.no_feature_cache, batch_size=args.batch_size, max_len=args.max_len,
                       lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device, init=args.init)
     result = Trainer(cfg).run()

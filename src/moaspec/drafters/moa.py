@@ -92,6 +92,9 @@ class MoAConfig(TargetBoundConfig):
     lsa_head_dim: int
     lsa_mlp: int
     tli_layers: int = 0  # N: target layers run on top of the drafter (0, 1 or 3 in the paper)
+    # not in the paper: the Cross-Attention's query rows also get a projection of the target's final
+    # state of the last verified token (what EAGLE-2 reads), straight into their residual stream
+    query_state: bool = False
     vocab_ids: int = 0  # size K of the trimmed LM head; 0 = the full vocabulary
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
@@ -203,6 +206,7 @@ class MoAContext:
     kind: ClassVar[str] = "moa"
     vectors: torch.Tensor  # [n, D] context vectors c_t
     tail_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # target K, V of the last N layers [N, Hkv, n, d]
+    state: torch.Tensor | None = None  # [1, D] the target's final state of the last of the n tokens (query_state)
 
     def __len__(self) -> int:
         return self.vectors.shape[0]
@@ -211,6 +215,8 @@ class MoAContext:
         out = {"vectors": self.vectors}
         if self.tail_kv is not None:
             out["tail_k"], out["tail_v"] = self.tail_kv
+        if self.state is not None:
+            out["state"] = self.state
         return out
 
     @classmethod
@@ -221,17 +227,20 @@ class MoAContext:
         if tail is not None and not (tail[0].shape == tail[1].shape and tail[0].dim() == 4
                                      and tail[0].shape[2] == t["vectors"].shape[0]):
             raise UserError("malformed MoA context: the target K/V do not match the context vectors")
-        return cls(t["vectors"], tail)
+        state = t.get("state")
+        if state is not None and state.shape != (1, t["vectors"].shape[1]):
+            raise UserError("malformed MoA context: the final state does not match the context vectors")
+        return cls(t["vectors"], tail, state)
 
 
 class ContextEncoder(nn.Module):
     """Target side of MoA: Layer Self-Attention over all layers' K/V of a token, mean, projection."""
 
-    hidden_layers: tuple[int, ...] = ()  # it reads the target's KV cache, no hidden states
-
     def __init__(self, cfg: MoAConfig):
         super().__init__()
         self.cfg = cfg
+        # the target's states `encode` reads: none (its KV cache only), or the final one (query_state)
+        self.hidden_layers: tuple[int, ...] = (cfg.num_layers,) if cfg.query_state else ()
         E = cfg.lsa_hidden
         self.lsa = DecoderLayer(E, cfg.lsa_heads, cfg.lsa_kv_heads, cfg.lsa_head_dim, cfg.lsa_mlp, cfg.rms_eps)
         self.proj = DraftLinear(E, cfg.hidden_size, bias=True)
@@ -274,7 +283,8 @@ class ContextEncoder(nn.Module):
         vectors = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         N = self.cfg.tli_layers
         tail = (K[-N:].clone(), V[-N:].clone()) if N else None
-        return MoAContext(vectors, tail)
+        state = hidden[self.cfg.num_layers][-1:].clone() if self.cfg.query_state and n else None
+        return MoAContext(vectors, tail, state)
 
 
 # ----------------------------------------------------------------------------- drafter
@@ -302,12 +312,15 @@ class MoADrafter(TargetBoundDrafter):
         self.sa = DecoderLayer(D, cfg.sa_heads, cfg.sa_kv_heads, cfg.sa_head_dim, cfg.sa_mlp, cfg.rms_eps)
         self.ca = CrossAttentionLayer(D, cfg.ca_heads, cfg.ca_kv_heads, cfg.ca_head_dim, cfg.ca_mlp, cfg.rms_eps)
         self.encoder = ContextEncoder(cfg)
+        self.state_proj = DraftLinear(D, D, bias=False) if cfg.query_state else None
         for name, hd in (("sa", cfg.sa_head_dim), ("ca", cfg.ca_head_dim)):
             cos, sin = rope(cfg.rope_theta, hd, max_seq_len)
             self.register_buffer(f"{name}_cos", cos, persistent=False)
             self.register_buffer(f"{name}_sin", sin, persistent=False)
             self.register_buffer(f"{name}_sin_signed", signed_sin(sin), persistent=False)  # inference path
         self.apply(self._init_weights)
+        if self.state_proj is not None:  # at zero it is the paper's drafter: a fine-tune from one starts there
+            nn.init.zeros_(self.state_proj.weight)
         # frozen target parts besides the embedding and LM head (attach)
         self.tli: list[FrozenTargetLayer] = []
         self.final_norm: torch.Tensor | None = None
@@ -353,6 +366,7 @@ class MoADrafter(TargetBoundDrafter):
         sa_mask: torch.Tensor | None = None,
         compute_logits: bool = True,
         ca_visible: torch.Tensor | None = None,
+        states: torch.Tensor | None = None,
     ) -> TrainOut:
         """One pass over whole sequences with the inference information limit built into the masks.
 
@@ -361,7 +375,9 @@ class MoADrafter(TargetBoundDrafter):
         reads contexts j <= start_i); tail_kv: the target's K, V of its last N layers, each
         [B, N, Hkv, T, d] (required iff N > 0); sa_mask: bool [T, T] or [B, T, T] for SA (default
         causal; `sa_curriculum_mask(start_idx)` for the curriculum); ca_visible: bool [B, T, T], the
-        contexts each CA row reads, if not `ca_mask(start_idx)` (ablations). Row i's outputs predict x_{i+1}.
+        contexts each CA row reads, if not `ca_mask(start_idx)` (ablations); states [B, T, D]: the target's
+        final states of the T slots (required iff query_state: row i reads slot start_i's). Row i's outputs
+        predict x_{i+1}.
         """
         self._require_target()
         B, T = tokens.shape
@@ -376,6 +392,10 @@ class MoADrafter(TargetBoundDrafter):
         if sa_mask is None:
             sa_mask = causal_mask(T, tokens.device)
         x = self.sa(x, self.sa_cos[positions], self.sa_sin[positions], sa_mask)
+        if self.state_proj is not None:
+            if states is None:
+                raise ValueError("this MoA drafter (query_state) needs the target's final states")
+            x = x + self.state_proj(torch.gather(states, 1, start_idx[..., None].expand(-1, -1, states.shape[-1])))
         ca_k, ca_v = self.ca.context_kv(ctx_vectors, self.ca_cos[positions], self.ca_sin[positions])
         tli_kv = [dict(prefix=(tail_kv[0][:, n], tail_kv[1][:, n])) for n in range(len(self.tli))] if tail_kv else []
         hidden, final = self._after_sa(x, positions, ca_k, ca_v,
@@ -389,6 +409,7 @@ class MoADrafter(TargetBoundDrafter):
         self.sa_len = 0  # tokens whose K/V are in the SA cache
         self.ctx_len = 0  # verified tokens whose CA keys/values (and TLI K/V) are cached
         self.deferred: list[DeferredContext] = []  # contexts to encode before the next draft
+        self.state_vec: torch.Tensor | None = None  # query_state: the projected last verified final state
 
     def _allocate(self) -> None:
         S = self.max_seq_len
@@ -415,6 +436,10 @@ class MoADrafter(TargetBoundDrafter):
         self.ca_cache.update(start, k, v)
         for i, cache in enumerate(self.tli_caches):
             cache.update(start, context.tail_kv[0][i][None], context.tail_kv[1][i][None])
+        if self.state_proj is not None and n:
+            if context.state is None:
+                raise UserError("this MoA drafter reads the target's final state: the target sent none")
+            self.state_vec = self.state_proj.kernel()(context.state)
         self.ctx_len += n
 
     def _embed_rows(self, ids: list[int]) -> torch.Tensor:
@@ -429,6 +454,8 @@ class MoADrafter(TargetBoundDrafter):
         -> log-probs [n, K]. The TLI layers write the rows' own K/V at tentative slots [start, start + n)
         after the verified ones and attend under `mask`. `_after_sa` on the inference path."""
         L = self.ctx_len
+        if self.state_vec is not None:
+            x = x + self.state_vec
         out = self.ca.infer(x, self.ca_cos[positions], self.ca_sin_signed[positions], self.ca_cache.k[:, :, :L],
                             self.ca_cache.v[:, :, :L], ca)
         if self.tli:

@@ -53,6 +53,7 @@ class TrainConfig:
     out: str = "runs/moa"
     kind: str = "moa"  # comma-separated among "moa", "eagle", "independent": trained side by side
     tli_layers: int | str = 0  # MoA Target Layer Inference N; "0,1,3" trains one MoA per N
+    query_state: bool = False  # MoA's query rows also read the target's last verified final state (not in the paper)
     vocab_ids: int = 16384  # trimmed drafter head (0 = full vocabulary)
     steps: int = 300
     batch_size: int = 4
@@ -234,7 +235,8 @@ class Trainer:
         self.students: list[Student] = []
         for label, kind, n in specs:
             if kind == "moa":
-                dcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=n, **common)
+                dcfg = moa.MoAConfig.for_target(self.target.cfg, tli_layers=n, query_state=cfg.query_state,
+                                                **common)
                 drafter = moa.MoADrafter.from_target(self.target, dcfg, vocab)
             elif kind == "eagle":
                 ecfg = matched_eagle_config(self.target.cfg, common) if cfg.match_params else \
@@ -314,7 +316,8 @@ class Trainer:
                 visible = (rows[None, None, :] == start[None, :, None])
             tail = (tp["K"][L - st.tli:][None], tp["V"][L - st.tli:][None]) if st.tli else None
             sa_mask = moa.sa_curriculum_mask(start[None])[0] if curriculum else None
-            out = drafter.forward_train(tokens, ctx, start[None], tail, sa_mask, ca_visible=visible)
+            out = drafter.forward_train(tokens, ctx, start[None], tail, sa_mask, ca_visible=visible,
+                                        states=tp["final"][None])
             hidden, final, logits = out.hidden[0], out.final[0], out.logits[0]
             depth = rows - start
         elif st.kind == "eagle":
@@ -571,12 +574,18 @@ class Trainer:
     def load_drafters(self, folder: Path) -> None:
         """Every drafter's weights from `folder`/<label> (a run, or one of a learning curve's points). A
         drafter saved at another size than this config builds (an EAGLE-2 trained before `match_params`)
-        is taken at its own size, with a new optimiser."""
+        is taken at its own size, with a new optimiser. A MoA saved without `query_state` starts one with it
+        (its state projection at zero: the same drafter until it trains)."""
         for st in self.students:
             fresh = KINDS[st.kind].load(folder / st.label, self.target, self.cfg.model,
                                         st.drafter.cfg.target_fingerprint)
             if fresh.cfg == st.drafter.cfg:
                 st.drafter.load_state_dict(fresh.state_dict())
+            elif st.kind == "moa" and replace(fresh.cfg, query_state=True) == st.drafter.cfg:
+                missing, unexpected = st.drafter.load_state_dict(fresh.state_dict(), strict=False)
+                if unexpected or missing != ["state_proj.weight"]:
+                    raise UserError(f"{folder / st.label}: cannot start a query_state MoA from it "
+                                    f"(missing {missing}, unexpected {unexpected})")
             else:
                 st.drafter = fresh.train(st.drafter.training)
                 st.opt = self._optimizer(fresh)
@@ -649,6 +658,7 @@ def _exported_config(folder: Path) -> dict | None:
     tlis = sorted({c.get("tli_layers", 0) for c in configs if c["kind"] == "moa"}) or [0]
     return {**asdict(TrainConfig()), "model": configs[0]["target_name"], "data": info["data"],
             "kind": ",".join(kinds), "tli_layers": ",".join(map(str, tlis)), "vocab_ids": configs[0]["vocab_ids"],
+            "query_state": any(c.get("query_state", False) for c in configs if c["kind"] == "moa"),
             "max_len": info.get("max_len", TrainConfig.max_len), "batch_size": info.get("batch_size", 4)}
 
 
