@@ -328,16 +328,36 @@ def test_greedy_output_equals_plain(dec_none, plain_greedy, name, policy, tree):
         assert rounds["free"] + rounds["both"] > 0 and rounds["model"] + rounds["both"] > 0, rounds
 
 
-def test_deferred_context_is_the_eager_one(dec_none, smol_tokenizer):
+def _hybrid_query_state(dec) -> HybridDrafter:
+    """The hybrid with the shipped MoA given the query-state route (random small weights), so that its
+    encoder reads the target's final states."""
+    import dataclasses
+
+    from moaspec.drafters import moa
+
+    base = build_drafter("moa", dec.model_name, dec.target)
+    qs = moa.MoADrafter.from_target(dec.target, dataclasses.replace(base.cfg, query_state=True))
+    assert set(qs.load_state_dict(base.state_dict(), strict=False).missing_keys) == {"state_proj.weight"}
+    torch.manual_seed(0)
+    torch.nn.init.normal_(qs.state_proj.weight, std=0.002)
+    return HybridDrafter(SuffixDrafter(), qs.eval())
+
+
+@pytest.mark.parametrize("query_state", [False, True])
+def test_deferred_context_is_the_eager_one(dec_none, smol_tokenizer, query_state):
     """What a local target defers for the hybrid's MoA is what it would have sent: after the same text
-    (rounds of both sources, deferred contexts encoded in batches) MoA's Cross-Attention cache holds the
-    same keys and values; and a deferred context refuses to outlive its cache slots."""
+    (rounds of both sources, deferred contexts encoded in batches, with the final states' rows where the
+    encoder reads them) MoA's Cross-Attention cache and query state are the same; and a deferred context
+    refuses to outlive its cache slots. A hybrid over EAGLE-2 (no `catch_up`) is sent its context eagerly."""
     from conftest import chat_ids
 
+    assert not build_drafter("hybrid", dec_none.model_name, dec_none.target, hybrid_model="eagle").defers_context
     ids = chat_ids(smol_tokenizer, PROMPTS[0])
     got = []
     for defer in (False, True):
-        drafter = build_drafter("hybrid", dec_none.model_name, dec_none.target)
+        drafter = _hybrid_query_state(dec_none) if query_state else \
+            build_drafter("hybrid", dec_none.model_name, dec_none.target)
+        assert drafter.defers_context and bool(drafter.encoder.hidden_layers) == query_state
         engine = Engine(LocalTarget(dec_none.target, drafter.encoder, defer_context=defer), drafter,
                         TreeConfig(3, 1, 3))
         for _ in range(2):  # the second time the suffix drafter copies the first answer
@@ -346,11 +366,13 @@ def test_deferred_context_is_the_eager_one(dec_none, smol_tokenizer):
         assert bool(moa_drafter.deferred) == defer
         moa_drafter.catch_up()
         n = moa_drafter.ctx_len
-        got.append((out, n, moa_drafter.ca_cache.k[:, :, :n].clone(), moa_drafter.ca_cache.v[:, :, :n].clone()))
+        got.append((out, n, moa_drafter.ca_cache.k[:, :, :n].clone(), moa_drafter.ca_cache.v[:, :, :n].clone(),
+                    moa_drafter.state_vec))
         assert drafter.rounds["free"] > 0 and drafter.rounds["model"] > 0, drafter.rounds
-    (out0, n0, k0, v0), (out1, n1, k1, v1) = got
+    (out0, n0, k0, v0, s0), (out1, n1, k1, v1, s1) = got
     assert out0 == out1 and n0 == n1 == len(ids) + len(out0) - 1
     assert torch.allclose(k0, k1, atol=1e-4) and torch.allclose(v0, v1, atol=1e-4)
+    assert (s0 is None and s1 is None) if not query_state else torch.allclose(s0, s1, atol=1e-5)
 
     target = LocalTarget(dec_none.target, drafter.model.encoder, defer_context=True)
     ctx = target.start(ids, SamplingParams()).context

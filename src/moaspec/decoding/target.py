@@ -9,7 +9,7 @@ the target's KV cache.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -37,16 +37,18 @@ class ContextEncoder(Protocol):
 
 @dataclass
 class DeferredContext:
-    """A context not encoded yet: committed slots [start, end) of a local target's cache, which a drafter
-    encodes when it next drafts (`resolve`), several rounds' slots in one call. In one process only, for
-    encoders that read the cache alone (no hidden states): a hybrid drafter whose model drafts in few
-    rounds then pays its encoder only for those, and in batches (cheaper per token)."""
+    """A context not encoded yet: committed slots [start, end) of a local target's cache (and the rows of
+    the hidden states its encoder reads), which a drafter encodes when it next drafts (`resolve`), several
+    rounds' slots in one call. In one process only, for drafters that take it (`catch_up`): a hybrid
+    drafter whose model drafts in few rounds then pays its encoder only for those, and in batches
+    (cheaper per token)."""
 
     encoder: ContextEncoder
     cache: KVCache
     start: int
     end: int
     epoch: int
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # {layer: [end - start, D]}
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -58,7 +60,7 @@ class DeferredContext:
     def resolve(self) -> Context:
         if self.cache.epoch != self.epoch or self.end > self.cache.length:
             raise RuntimeError("a deferred context outlived its cache slots (the cache was reset or truncated)")
-        return self.encoder.encode(self.cache, torch.arange(self.start, self.end), {})
+        return self.encoder.encode(self.cache, torch.arange(self.start, self.end), self.hidden)
 
 
 def resolve_contexts(pending: list[DeferredContext]) -> list[Context]:
@@ -66,7 +68,9 @@ def resolve_contexts(pending: list[DeferredContext]) -> list[Context]:
     runs: list[DeferredContext] = []
     for c in pending:
         if runs and c.follows(runs[-1]):
-            runs[-1] = DeferredContext(c.encoder, c.cache, runs[-1].start, c.end, c.epoch)
+            prev = runs[-1]
+            runs[-1] = DeferredContext(c.encoder, c.cache, prev.start, c.end, c.epoch,
+                                       {k: torch.cat([prev.hidden[k], h]) for k, h in c.hidden.items()})
         else:
             runs.append(c)
     return [r.resolve() for r in runs if len(r)]
@@ -109,8 +113,8 @@ class LocalTarget:
                  costs: dict[int, float] | None = None, defer_context: bool = False):
         self.model = model
         self.encoder = encoder
-        # hand out `DeferredContext`s where the encoder reads only the cache
-        self.defer_context = defer_context and encoder is not None and not encoder.hidden_layers
+        # hand out `DeferredContext`s (to a drafter that asks for them and takes them)
+        self.defer_context = defer_context and encoder is not None
         self.cache = model.cache if cache is None else cache
         self.eos_token_ids = model.cfg.eos_token_ids
         self.max_seq_len = self.cache.size
@@ -136,10 +140,10 @@ class LocalTarget:
     def _context(self, first_slot: int, out: ForwardOut, rows: list[int] | slice) -> Context | None:
         if self.encoder is None:
             return None
-        if self.defer_context:
-            return DeferredContext(self.encoder, self.cache, first_slot, self.cache.length, self.cache.epoch)
-        slots = torch.arange(first_slot, self.cache.length)
         hidden = {k: v[rows] for k, v in out.hidden.items()}
+        if self.defer_context:
+            return DeferredContext(self.encoder, self.cache, first_slot, self.cache.length, self.cache.epoch, hidden)
+        slots = torch.arange(first_slot, self.cache.length)
         return self.encoder.encode(self.cache, slots, hidden)
 
     def _step(self, verdict: Verdict, context: Context | None, t0: float) -> Step:

@@ -187,8 +187,6 @@ class HybridDrafter:
 
     name = "hybrid"
     branching = False  # its policies pick or merge per round on a chain's length
-    # in one process the target defers the model's context to the rounds the model drafts (batched)
-    defers_context = True
 
     def __init__(self, free: Drafter, model: Drafter, policy: str = "switch"):
         if policy not in POLICIES:
@@ -207,6 +205,12 @@ class HybridDrafter:
         self._last: _Draft | None = None
         self._proposed_at: float | None = None
         self._idle = 0  # rounds in which neither source was worth drafting
+
+    @property
+    def defers_context(self) -> bool:
+        """In one process the target defers the model's context to the rounds the model drafts (batched),
+        where the model takes deferred contexts (`catch_up`: MoA)."""
+        return hasattr(self.model, "catch_up")
 
     # ------------------------------------------------------------------ Drafter protocol
     def begin(self, prompt: list[int], context: Any = None) -> None:
