@@ -61,7 +61,7 @@ def subprocess_env() -> dict:
 def test_generate_json(capsys):
     rec = gen_json(capsys, "--prompt", "Name three colours.", "--max-new-tokens", "12")
     assert JSON_KEYS <= rec.keys()
-    # the default drafter is `auto`: the shipped MoA drafter where there is one, else lookup
+    # the default drafter is `auto`: the shipped MoA drafter where it is marked the default, else suffix
     assert rec["model"] == MODEL and rec["drafter"] == resolve_auto(MODEL)
     assert 1 <= rec["new_tokens"] <= 12 and len(rec["token_ids"]) == rec["new_tokens"]
     assert rec["text"].strip()

@@ -1,6 +1,6 @@
 """Sampled drafts at T > 0 through the whole engine (prefill, drafter, sampled EAGLE-2 tree, tree pass,
-recursive rejection sampling, commit): the exact joint law of the first three tokens, reproducible
-seeded runs, and T = 0 unchanged.
+verification by the seeded race or by recursive rejection sampling, commit): the exact joint law of the
+first three tokens, reproducible seeded runs equal to plain seeded sampling, and T = 0 unchanged.
 
 The law test runs a tiny randomly initialised Llama built here (12-token vocabulary, one layer) as the
 target and a copy of it with a doubled LM head as the draft model (the target at temperature 1/2), so
@@ -11,6 +11,7 @@ so enough of them to catch a half-point bias in any outcome fit in the fast suit
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import Counter
@@ -125,19 +126,23 @@ def exact_law(model: Transformer, params: SamplingParams, n: int,
     return law
 
 
-def test_sampled_drafts_exact_joint_law_through_engine(tiny):
-    """T = 1, top_k 5: the first three tokens of N seeded generations against the exact law. Every
-    outcome's frequency must be within Z standard errors of its probability, and N makes a half-point
-    bias at least Z + 1 standard errors in every outcome: such a bias fails."""
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded-race", "rejection"])
+def test_sampled_drafts_exact_joint_law_through_engine(tiny, seeded, monkeypatch):
+    """T = 1, top_k 5: the first three tokens of N generations against the exact law, seeded (the race,
+    drafts drawn with the target's noise) or unseeded (recursive rejection sampling; torch.seed made
+    deterministic here). Every outcome's frequency must be within Z standard errors of its probability,
+    and N makes a half-point bias at least Z + 1 standard errors in every outcome: such a bias fails."""
     law = exact_law(tiny[0], SamplingParams(**LAW_PARAMS), 3)
     assert len(law) == 125 and sum(law.values()) == pytest.approx(1.0)
     se = {seq: math.sqrt(p * (1 - p) / N_LAW) for seq, p in law.items()}
     assert (Z + 1) * max(se.values()) <= HALF_POINT
 
+    fake_seeds = itertools.count(10**6)
+    monkeypatch.setattr(torch, "seed", lambda: next(fake_seeds))
     engine = tiny_engine(tiny)
-    counts = Counter(first_tokens(engine, GenerationConfig(max_new_tokens=8, ignore_eos=True,
-                                                           sampling=SamplingParams(**LAW_PARAMS, seed=i)), 3)
-                     for i in range(N_LAW))
+    counts = Counter(first_tokens(engine, GenerationConfig(
+        max_new_tokens=8, ignore_eos=True, sampling=SamplingParams(**LAW_PARAMS, seed=i if seeded else None)), 3)
+        for i in range(N_LAW))
     rounds = engine.target.trees
     assert all(t.dists for t in rounds if len(t) > 1)  # the drafts were sampled
     assert max(len(t.children[0]) for t in rounds) >= 2
@@ -202,3 +207,28 @@ def test_sampled_drafts_law_smollm2_eagle():
     assert target.later_sibling > 0 and set(counts) <= set(law)
     z = {seq: abs(counts[seq] / n - p) / math.sqrt(p * (1 - p) / n) for seq, p in law.items()}
     assert max(z.values()) < Z, max(z.items(), key=lambda kv: kv[1])
+
+
+SEEDED_DRAFTERS = ["lookup", "suffix", "model", "moa", "eagle", "independent", "hybrid"]
+
+
+@pytest.mark.parametrize("drafter", SEEDED_DRAFTERS)
+def test_seeded_sampling_equals_plain_for_every_drafter(dec_none, drafter):
+    """A seeded generation samples by the exponential race, so its tokens are plain seeded sampling's,
+    whatever the drafter proposes and whether its drafts are sampled (with the target's noise) or its
+    top-k; and a drafter that remembers earlier calls (suffix) does not change a repeated generation."""
+    prompt = dec_none.encode("Write a short story about a robot who learns to paint.")
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
+    plain = dec_none.generate(prompt, GenerationConfig(max_new_tokens=40, sampling=params)).token_ids
+    assert plain != dec_none.generate(prompt, GenerationConfig(
+        max_new_tokens=40, sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=12))).token_ids
+    dec_none.set_drafter(drafter, tree=TreeConfig(depth=3, topk=2, total_tokens=5))
+    try:
+        drafted = 0
+        for sampled in (True, False, True):
+            g = dec_none.generate(prompt, GenerationConfig(max_new_tokens=40, sampling=params, sampled_drafts=sampled))
+            assert g.token_ids == plain, (drafter, sampled)
+            drafted += g.metrics.drafted_tokens
+        assert drafted > 0
+    finally:
+        dec_none.set_drafter("none")

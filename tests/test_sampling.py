@@ -17,7 +17,8 @@ import torch
 from conftest import chat_ids
 from prompts import PROMPTS
 
-from moaspec.decoding.sampling import SamplingParams, sample, target_probs
+from moaspec.decoding import sampling
+from moaspec.decoding.sampling import SamplingParams, TokenNoise, sample, target_probs
 from moaspec.decoding.tree import DraftDist, DraftSampling, Tree, TreeConfig, grow_tree
 from moaspec.decoding.verify import Verdict, verify
 from moaspec.errors import UserError
@@ -55,6 +56,29 @@ def test_chi2_critical_values():
     # tabulated p = 0.001 quantiles
     for dof, table in ((5, 20.515), (10, 29.588), (20, 45.315), (40, 73.402)):
         assert chi2_critical(dof) == pytest.approx(table, rel=0.02)
+
+
+# --------------------------------------------------------------------------- the seeded exponential race
+@pytest.mark.parametrize("head", [3, 64], ids=["tail-races-as-one", "all-raced"])
+def test_token_noise_is_a_pure_function_and_races_exactly(monkeypatch, head):
+    """The race's winner is a pure function of (seed, position, p), distributed exactly as p over seeds,
+    also when most of p races as one tail racer (then drawn inside the tail by inverse CDF)."""
+    monkeypatch.setattr(sampling, "RACE_HEAD", head)
+    p = torch.softmax(torch.randn(40, generator=torch.Generator().manual_seed(0)) * 1.5, 0)
+    assert TokenNoise(5).pick(p, 7) == TokenNoise(5).pick(p.clone(), 7)
+    ids = torch.arange(40)
+    assert torch.equal(TokenNoise(5).exp(7, ids), TokenNoise(5).exp(7, ids))
+    assert not torch.equal(TokenNoise(5).exp(7, ids), TokenNoise(5).exp(8, ids))
+    assert not torch.equal(TokenNoise(5).exp(7, ids), TokenNoise(6).exp(7, ids))
+    assert bool((TokenNoise(5).exp(7, ids) > 0).all())
+    n = 20_000
+    counts = Counter(TokenNoise(seed).pick(p, 3) for seed in range(n))
+    stat, dof = chi_square(counts, dict(enumerate(p.tolist())), n)
+    assert stat < chi2_critical(dof), f"chi-square {stat:.1f} on {dof} dof"
+    # positions are independent draws of the same law
+    counts = Counter(TokenNoise(1).pick(p, pos) for pos in range(n))
+    stat, dof = chi_square(counts, dict(enumerate(p.tolist())), n)
+    assert stat < chi2_critical(dof), f"chi-square {stat:.1f} on {dof} dof"
 
 
 # --------------------------------------------------------------------------- (c) SamplingParams, target_probs

@@ -19,9 +19,9 @@ SHIPPED = [kind for kind in TRAINED if shipped_checkpoint(kind, SMOL).exists()]
 
 def test_moa_ships_for_the_default_target():
     assert "moa" in SHIPPED
-    # `auto` takes MoA only once its checkpoint is marked as measured faster than prompt lookup
+    # `auto` takes MoA only once its checkpoint is marked as measured faster than the suffix drafter
     meta = json.loads((shipped_checkpoint("moa", SMOL) / "training.json").read_text())
-    assert resolve_auto(SMOL) == ("moa" if meta.get("default") else "lookup")
+    assert resolve_auto(SMOL) == ("moa" if meta.get("default") else "suffix")
 
 
 @pytest.fixture(scope="module", params=SHIPPED)

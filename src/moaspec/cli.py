@@ -210,7 +210,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"target: {', '.join(MODELS)}, a .gguf file or a Hugging Face folder")
     g.add_argument("--drafter", default="auto", choices=DRAFTERS,
-                   help="auto = the shipped MoA drafter for the target if there is one, else lookup; "
+                   help="auto = the shipped MoA drafter once it is marked the target's default, else suffix; "
                         "suffix = suffix-tree drafting over the text and earlier answers; hybrid = suffix + "
                         "--hybrid-model; none = plain decoding")
     g.add_argument("--hybrid-model", default="moa", choices=HYBRID_MODELS,

@@ -165,7 +165,7 @@ class Engine:
             rollback = 0
 
             t1 = time.perf_counter()
-            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens, length, self._draft_sampling(cfg))
+            tree = self._propose(root, cfg.max_new_tokens - m.new_tokens, length, self._draft_sampling(cfg, length))
             t2 = time.perf_counter()
             try:
                 step = self.target.verify(tree)
@@ -193,10 +193,13 @@ class Engine:
             new = v.new_tokens
             root = v.bonus
 
-    def _draft_sampling(self, cfg: GenerationConfig) -> DraftSampling | None:
+    def _draft_sampling(self, cfg: GenerationConfig, root_index: int) -> DraftSampling | None:
+        """How this call's drafts are sampled; `root_index`: the sequence index of the root token (a
+        seeded generation's drafts then draw with the target's own race noise)."""
         if self._drafts is None:
             return None
-        return DraftSampling(cfg.sampling, int(torch.randint(2**62, (), generator=self._drafts)))
+        seed = int(torch.randint(2**62, (), generator=self._drafts))
+        return DraftSampling(cfg.sampling, seed, position=None if cfg.sampling.seed is None else root_index)
 
     # ------------------------------------------------------------------ a target that went away
     def _offline(self, prompt: list[int], out: list[int], root: int, cfg: GenerationConfig,
@@ -215,7 +218,7 @@ class Engine:
             while not self.target.available():
                 room = cfg.max_new_tokens - len(out) - len(unverified)
                 if alone and not ended and room > 0:
-                    sampling = self._draft_sampling(cfg)
+                    sampling = self._draft_sampling(cfg, len(prompt) + len(out) + len(unverified) - 1)
                     shape = TreeConfig(1, 1, 1)
                     tree = self.drafter.propose(root, shape if sampling is None else shape.sampled(sampling))
                     if len(tree) > 1:

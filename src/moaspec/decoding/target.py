@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from moaspec.decoding.context import Context
-from moaspec.decoding.sampling import SamplingParams, sample, target_probs
+from moaspec.decoding.sampling import SamplingParams, TokenNoise, sample, target_probs
 from moaspec.decoding.tree import Tree
 from moaspec.decoding.verify import Verdict, verify
 from moaspec.errors import ContextLengthError, UserError
@@ -119,7 +119,8 @@ class LocalTarget:
         self.eos_token_ids = model.cfg.eos_token_ids
         self.max_seq_len = self.cache.size
         self.params = SamplingParams()
-        self.generator: torch.Generator | None = None
+        self.generator: torch.Generator | None = None  # unseeded sampling's draws
+        self.noise: TokenNoise | None = None  # seeded sampling's race
         self.costs = costs
 
     @property
@@ -158,12 +159,18 @@ class LocalTarget:
                 f"the prompt has {len(prompt)} tokens; this model's context holds {self.max_seq_len}"
             )
         self.params = params
-        self.generator = None if params.greedy else params.generator()
+        self.noise = None if params.greedy else params.noise()
+        self.generator = None if params.greedy or self.noise is not None else params.generator()
         self.cache.reset()
         hidden = self.encoder.hidden_layers if self.encoder else ()
         out = self.model.prefill(prompt, hidden_layers=hidden, cache=self.cache)
         logits = out.logits[-1]
-        first = int(logits.argmax()) if params.greedy else sample(target_probs(logits, params), self.generator)
+        if params.greedy:
+            first = int(logits.argmax())
+        elif self.noise is not None:
+            first = self.noise.pick(target_probs(logits, params), len(prompt))
+        else:
+            first = sample(target_probs(logits, params), self.generator)
         return self._step(Verdict([], [], first), self._context(0, out, slice(None)), t0)
 
     def verify(self, tree: Tree) -> Step:
@@ -177,6 +184,6 @@ class LocalTarget:
             hidden_layers=self.encoder.hidden_layers if self.encoder else (),
             cache=self.cache,
         )
-        verdict = verify(tree, out.logits, self.params, self.generator)
+        verdict = verify(tree, out.logits, self.params, self.generator, self.noise, start)
         self.cache.commit(verdict.path)
         return self._step(verdict, self._context(start, out, verdict.path), t0)

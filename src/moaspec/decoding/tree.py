@@ -29,18 +29,25 @@ class DraftSampling:
     q than the generation's suits drafters less confident than their target (measured at T=1: at half
     the temperature, first-draft acceptance 0.98-1.06x of top-k drafts on Qwen 0.5B, where q at the
     full temperature gave 0.77-0.88x, and 1.15-1.29x on SmolLM2). `seed` seeds this call's draws; the
-    engine takes it from a stream of its own, so drafts never share the target's random numbers."""
+    engine takes it from a stream of its own, so drafts never share the target's random numbers.
+
+    A seeded generation (`params.seed`) samples by the exponential race (`TokenNoise`) and gives
+    `position`, the sequence index of the root: the children at depth d are then drawn with the target's
+    own noise at position + d, so that a child is the target's pick whenever q and p agree."""
 
     params: SamplingParams
     seed: int
     top_m: int = DRAFT_TOP_M
     sharpen: float = 0.5
+    position: int | None = None
 
     def __post_init__(self) -> None:
         if self.params.greedy:
             raise UserError("drafts are sampled only at temperature > 0; at 0 the tree takes the top-k children")
         if self.top_m < 1 or not 0.0 < self.sharpen <= 1.0:
             raise UserError(f"draft sampling needs top_m >= 1 and sharpen in (0, 1], got {self.top_m}, {self.sharpen}")
+        if self.position is not None and self.params.seed is None:
+            raise ValueError("draws coupled to the target's race (a position) need a seeded generation")
 
 
 # Bounds on a tree's shape. A tree is scored in one target pass, one row per draft token, and every
@@ -456,6 +463,7 @@ def grow_sampled_tree(
     """
     s = cfg.sampling
     g = torch.Generator().manual_seed(s.seed)
+    race = None if s.position is None else s.params.noise()
     tokens, parents, scores, dists = [root], [-1], [0.0], {}
     level_nodes, budget = [0], cfg.total_tokens
     floor = math.log(cfg.min_prob) if cfg.min_prob > 0 else -math.inf
@@ -474,10 +482,13 @@ def grow_sampled_tree(
         for r, u in enumerate(frontier):
             if not counts[r]:
                 continue
-            gumbel = -torch.empty_like(q[r]).exponential_(generator=g).log()
-            drawn = (logq[r] + gumbel).topk(counts[r]).indices  # sequential draws without replacement
-            support = (q[r] > 0).nonzero().flatten()
             mapped = ids[r] if vocab is None else vocab[ids[r]]
+            if race is None:
+                e = torch.empty_like(q[r]).exponential_(generator=g)
+            else:
+                e = race.exp(s.position + level + 1, mapped).to(q.dtype)
+            drawn = (logq[r] - e.log()).topk(counts[r]).indices  # sequential draws without replacement
+            support = (q[r] > 0).nonzero().flatten()
             dists[u] = DraftDist(tuple(mapped[support].tolist()), tuple(q[r, support].tolist()))
             tokens.extend(mapped[drawn].tolist())
             parents.extend([u] * len(drawn))

@@ -1,8 +1,10 @@
-"""Tree verification: a pure function of (tree, target logits, sampling params, rng).
+"""Tree verification: a pure function of (tree, target logits, sampling params, rng or seeded noise).
 
 It runs where the target runs, so a remote drafter never needs the target's logits.
-Greedy: follow the child that equals the target's argmax. Sampling, at each node on the path, by
-recursive rejection sampling over its children, of one of two kinds:
+Greedy: follow the child that equals the target's argmax. Seeded sampling likewise follows the child
+that equals the exponential race's winner at that position (`TokenNoise`): the output is then plain
+seeded sampling's, token for token, whatever the drafter proposed. Unseeded sampling, at each node on
+the path, goes by recursive rejection sampling over its children, of one of two kinds:
 
 - children proposed deterministically (top-k, lookup): the draft probability of a tried child is
   taken as 1 (PAPER.md section 5): accept child x with probability p(x), else remove x from p,
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moaspec.decoding.sampling import SamplingParams, sample, target_probs
+from moaspec.decoding.sampling import SamplingParams, TokenNoise, sample, target_probs
 from moaspec.decoding.tree import DraftDist, Tree
 
 
@@ -41,13 +43,18 @@ class Verdict:
         return [*self.accepted, self.bonus]
 
 
-def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
-    """logits: [len(tree), vocab], row i = the target's next-token logits after node i."""
+def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           noise: TokenNoise | None = None, position: int = 0) -> Verdict:
+    """logits: [len(tree), vocab], row i = the target's next-token logits after node i. With `noise` (a
+    seeded generation) the root is the token at sequence index `position`."""
     path = [0]
     node = 0
     while True:
-        if params.greedy:
-            token = int(logits[node].argmax())
+        if params.greedy or noise is not None:
+            if params.greedy:
+                token = int(logits[node].argmax())
+            else:
+                token = noise.pick(target_probs(logits[node], params), position + tree.depths[node] + 1)
             nxt = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
         else:
             p = target_probs(logits[node], params)

@@ -37,12 +37,14 @@ def shipped_checkpoint(kind: str, model: str) -> Path:
 
 def resolve_auto(model: str) -> str:
     """`auto`: the MoA drafter shipped for the target once its checkpoint is marked as the default
-    (`"default": true` in its training.json, set when it measured faster than prompt lookup), else
-    prompt lookup, which needs no training."""
+    (`"default": true` in its training.json, set when it measures faster than the suffix drafter), else
+    the suffix drafter, which needs no training (it measured at or above prompt lookup on both targets,
+    and seeded sampling is the same whatever the drafter, so its memory of earlier requests changes no
+    seeded answer)."""
     meta = shipped_checkpoint("moa", model) / "training.json"
     if meta.exists() and json.loads(meta.read_text()).get("default", False):
         return "moa"
-    return "lookup"
+    return "suffix"
 
 
 def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: str | None = None,
