@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from moaspec.decoding.context import Context
-from moaspec.decoding.sampling import SamplingParams, TokenNoise, sample, target_probs
+from moaspec.decoding.sampling import SamplingParams, TokenNoise
 from moaspec.decoding.tree import Tree
 from moaspec.decoding.verify import Verdict, verify
 from moaspec.errors import ContextLengthError, UserError
@@ -164,13 +164,9 @@ class LocalTarget:
         self.cache.reset()
         hidden = self.encoder.hidden_layers if self.encoder else ()
         out = self.model.prefill(prompt, hidden_layers=hidden, cache=self.cache)
-        logits = out.logits[-1]
-        if params.greedy:
-            first = int(logits.argmax())
-        elif self.noise is not None:
-            first = self.noise.pick(target_probs(logits, params), len(prompt))
-        else:
-            first = sample(target_probs(logits, params), self.generator)
+        # the first token is the bonus of verifying an empty draft after the prompt's last token
+        first = verify(Tree.chain(prompt[-1]), out.logits[-1:], params, self.generator, self.noise,
+                       len(prompt) - 1).bonus
         return self._step(Verdict([], [], first), self._context(0, out, slice(None)), t0)
 
     def verify(self, tree: Tree) -> Step:

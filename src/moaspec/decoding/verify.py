@@ -51,10 +51,8 @@ def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams, generator: 
     node = 0
     while True:
         if params.greedy or noise is not None:
-            if params.greedy:
-                token = int(logits[node].argmax())
-            else:
-                token = noise.pick(target_probs(logits[node], params), position + tree.depths[node] + 1)
+            token = int(logits[node].argmax()) if params.greedy else \
+                noise.pick(target_probs(logits[node], params), position + tree.depths[node] + 1)
             nxt = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
         else:
             p = target_probs(logits[node], params)
