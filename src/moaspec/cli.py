@@ -167,13 +167,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--to", metavar="DIR", help="write DIR/<label>/ instead (label: moa, moa-n1, eagle, ...)")
     e.set_defaults(func=cmd_export)
 
+    ds = sub.add_parser("datastore", help="build the suffix drafter's datastore from the answers in a data folder "
+                        "(default: into the package, where --drafter suffix finds it)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ds.add_argument("--model", default=DEFAULT_MODEL)
+    ds.add_argument("--data", required=True, help="a data folder written by `moaspec data` for --model")
+    ds.add_argument("--sources", default="gen", help="comma-separated among gen (the target's answers), self "
+                    "(self-chat) and text (package code and docs)")
+    ds.add_argument("--to", metavar="DIR", help="write DIR instead of the package's checkpoints/<model>/datastore")
+    ds.set_defaults(func=cmd_datastore)
+
     b = sub.add_parser("bench", help="the paper's table on this machine: tau, tokens/s and speedup per task and "
                        "method, interleaved per question, with peers",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     b.add_argument("--model", default="qwen2.5-coder-0.5b")
     b.add_argument("--methods", default="", help="comma-separated among plain, hf, hf-assisted, llama.cpp, "
-                   "llama.cpp-spec, llama.cpp-lookup, lookup, suffix, model, independent, eagle, moa, moa-n1, "
-                   "moa-n3, hybrid, hybrid-merge; default: plain, "
+                   "llama.cpp-spec, llama.cpp-lookup, lookup, suffix, suffix-nostore (no datastore), model, "
+                   "independent, eagle, moa, moa-n1, moa-n3, hybrid, hybrid-merge; default: plain, "
                    "the peers (llama.cpp where `make llama-cpp` built it) and every drafter with a checkpoint")
     b.add_argument("--tasks", default="", help="comma-separated task sets; default: all")
     b.add_argument("--questions", type=int, default=None, help="questions per task (default: the whole set)")
@@ -211,8 +221,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"target: {', '.join(MODELS)}, a .gguf file or a Hugging Face folder")
     g.add_argument("--drafter", default="auto", choices=DRAFTERS,
                    help="auto = the shipped MoA drafter once it is marked the target's default, else suffix; "
-                        "suffix = suffix-tree drafting over the text and earlier answers; hybrid = suffix + "
-                        "--hybrid-model; none = plain decoding")
+                        "suffix = suffix-tree drafting over the text, earlier answers and --datastore; "
+                        "hybrid = suffix + --hybrid-model; none = plain decoding")
     g.add_argument("--hybrid-model", default="moa", choices=HYBRID_MODELS,
                    help="the model drafter of --drafter hybrid (its checkpoint: --drafter-path)")
     g.add_argument("--hybrid-policy", default="switch", choices=HYBRID_POLICIES,
@@ -224,6 +234,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-path", metavar="DIR",
                    help="checkpoint folder of a trained drafter (moa, eagle, independent, or the one of "
                         "--hybrid-model); default: the one shipped for the target")
+    g.add_argument("--datastore", metavar="DIR|none",
+                   help="the suffix drafter's store of the target's answers (`moaspec datastore`); default: the one "
+                        "shipped for the target; none: only the text and this session's earlier answers")
     g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers "
                    "(int8, int4[-gGROUP]: quantised, compiled kernels; see the README's table)")
     _add_threads_arg(g)
@@ -391,7 +404,7 @@ def _load_decoder(args: argparse.Namespace, tree: TreeConfig):
                        drafter_path=args.drafter_path, weights=args.weights,
                        tree=tree, max_seq_len=args.max_context,
                        hybrid_model=args.hybrid_model, hybrid_policy=args.hybrid_policy,
-                       target_url=args.target, token=token, wire=args.wire)
+                       target_url=args.target, token=token, wire=args.wire, datastore=args.datastore)
 
 
 def cmd_serve_target(args: argparse.Namespace) -> int:
@@ -670,6 +683,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     for path in export(args.run, args.to):
         print(path)
+    return 0
+
+
+def cmd_datastore(args: argparse.Namespace) -> int:
+    from moaspec.drafters import shipped_checkpoint
+    from moaspec.drafters.datastore import Datastore
+    from moaspec.training.data import answers
+
+    _check_model_name(args.model, "--model")
+    sources = _csv(args.sources)
+    store = Datastore.from_sequences(answers(args.data, args.model, sources), args.model)
+    folder = store.save(args.to or shipped_checkpoint("datastore", args.model),
+                        {"data": Path(args.data).name, "sources": list(sources)})
+    print(f"{folder}: {len(store):,} tokens")
     return 0
 
 

@@ -89,6 +89,7 @@ class SpecDecoder:
         wire: str = "fp16",
         target_timeout_s: float = 30.0,
         threads: int | str | None = None,
+        datastore: str | None = None,
     ):
         """`threads`: the kernels' thread count for this process (an int, "auto" = the cores idle now, None =
         leave it as it is). `target_url` (with the server's bearer `token`): verify on a `moaspec
@@ -114,18 +115,19 @@ class SpecDecoder:
                 raise UserError(f"the server at {target_url} serves {self.remote.model!r} (weights "
                                 f"{self.remote.fingerprint}), not this client's {model!r}: draft for the same target")
         self.set_drafter(drafter, draft_model=draft_model, drafter_path=drafter_path, tree=tree,
-                         hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
+                         hybrid_model=hybrid_model, hybrid_policy=hybrid_policy, datastore=datastore)
         if warmup and self.remote is None:
             self.target.warmup()
         self.load_s = time.perf_counter() - t
 
     def set_drafter(self, drafter: str = "none", draft_model: str | None = None, drafter_path: str | None = None,
                     tree: TreeConfig | str | None = None, hybrid_model: str = "moa",
-                    hybrid_policy: str = "switch") -> None:
+                    hybrid_policy: str = "switch", datastore: str | None = None) -> None:
         """Swap the drafter (and tree shape: "auto" = calibrated for this machine, "adaptive[:depth]" = a
         chain whose length follows live acceptance, either with "@P" for `TreeConfig.min_prob`) on the
         loaded target: benchmarks compare drafters on one copy of the target's weights.
-        `hybrid_model`/`hybrid_policy`: the parts of `hybrid`."""
+        `hybrid_model`/`hybrid_policy`: the parts of `hybrid`; `datastore`: the suffix drafter's (None: the
+        one shipped for the target, "none": none, else a folder of `moaspec datastore`)."""
         min_prob = None
         if isinstance(tree, str):
             shape, min_prob = split_min_prob(tree)
@@ -137,7 +139,8 @@ class SpecDecoder:
                     raise UserError(f"tree must be 'auto', 'adaptive[:depth]' (either with @P) or a TreeConfig, "
                                     f"got {tree!r}")
         self.drafter = build_drafter(drafter, self.model_name, self.target, draft_model=draft_model,
-                                     drafter_path=drafter_path, hybrid_model=hybrid_model, hybrid_policy=hybrid_policy)
+                                     drafter_path=drafter_path, hybrid_model=hybrid_model, hybrid_policy=hybrid_policy,
+                                     datastore=datastore)
         costs = None
         if tree == "auto":
             costs = self.pass_costs() if self.drafter is not None else None

@@ -42,7 +42,7 @@ from moaspec.pipeline import SpecDecoder
 PEERS = ("hf", "hf-assisted", "llama.cpp", "llama.cpp-spec", "llama.cpp-lookup")
 TRAINED_METHODS = ("independent", "eagle", "moa", "moa-n1", "moa-n3")
 HYBRID_METHODS = {"hybrid": "switch", "hybrid-merge": "merge"}  # suffix + the moa checkpoint, by policy
-METHODS = ("plain", *PEERS, "lookup", "suffix", "model", *TRAINED_METHODS, *HYBRID_METHODS)
+METHODS = ("plain", *PEERS, "lookup", "suffix", "suffix-nostore", "model", *TRAINED_METHODS, *HYBRID_METHODS)
 # Candidate trees of the sweep: chains, small CPU trees, and the paper's GPU default for contrast.
 SWEEP_TREES = (TreeConfig(1, 1, 1), TreeConfig(2, 1, 2), TreeConfig(3, 1, 3), TreeConfig(4, 1, 4),
                TreeConfig(5, 1, 5), TreeConfig(3, 2, 4), TreeConfig(4, 2, 6), TreeConfig(4, 4, 6),
@@ -81,6 +81,7 @@ class Method:
     path: str | None = None
     draft_model: str | None = None
     policy: str = "switch"  # of a hybrid drafter
+    datastore: str | None = None  # of a suffix or hybrid drafter: None = the shipped one, "none" = none
 
 
 def checkpoint_dir(cfg: BenchConfig, method: str) -> Path:
@@ -136,6 +137,8 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
             if draft is None or draft == cfg.model:
                 raise UserError(f"{n} needs a draft model for {cfg.model!r}; known pairs: {DEFAULT_DRAFT_MODEL}")
             out.append(Method(n, "model" if n == "model" else n, draft_model=draft))
+        elif n == "suffix-nostore":
+            out.append(Method(n, "suffix", datastore="none"))
         else:
             out.append(Method(n, "none" if n == "plain" else n))
     return out, notes
@@ -175,7 +178,7 @@ class Bench:
                 continue
             tree = (trees or {}).get(m.name) or self._tree()
             self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
-                                 hybrid_policy=m.policy)
+                                 hybrid_policy=m.policy, datastore=m.datastore)
             self.engines[m.name] = self.dec.engine
             self.trees[m.name] = self.dec.engine.tree
         self._hf = None
@@ -276,7 +279,7 @@ class Bench:
         for name, m in cands.items():
             for tree in trees:
                 self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
-                                     hybrid_policy=m.policy)
+                                     hybrid_policy=m.policy, datastore=m.datastore)
                 if not tree.adaptive or tree.topk == 1 or self.dec.drafter.branching:
                     engines[(name, tree)] = self.dec.engine
         plain = Method("plain")

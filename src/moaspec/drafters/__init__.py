@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,7 @@ from moaspec.errors import UserError
 
 if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
+    from moaspec.drafters.datastore import Datastore
     from moaspec.models.parts import TargetParts
 
 DRAFTERS = ("auto", "none", "lookup", "suffix", "hybrid", "model", "moa", "eagle", "independent")
@@ -47,11 +49,27 @@ def resolve_auto(model: str) -> str:
     return "suffix"
 
 
+@lru_cache(maxsize=4)
+def load_datastore(model: str, datastore: str | None = None) -> Datastore | None:
+    """The suffix drafter's datastore (`drafters.datastore`): the one shipped for the target when
+    `datastore` is None (none shipped: no store), none for "none", else the folder given. Read-only
+    once built, so one copy serves every drafter of the process."""
+    from moaspec.drafters.datastore import Datastore
+
+    if datastore == "none":
+        return None
+    if datastore is None:
+        folder = shipped_checkpoint("datastore", model)
+        return Datastore.load(folder, model) if folder.exists() else None
+    return Datastore.load(datastore, model)
+
+
 def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: str | None = None,
                   drafter_path: str | None = None, hybrid_model: str = "moa",
-                  hybrid_policy: str = "switch") -> Drafter | None:
+                  hybrid_policy: str = "switch", datastore: str | None = None) -> Drafter | None:
     """The drafter `name` for target `model_name`, whose frozen parts (a `Transformer`, or a
-    `PartialTarget` on a client) the trained drafters share."""
+    `PartialTarget` on a client) the trained drafters share. `datastore`: the suffix drafter's (also
+    a hybrid's), see `load_datastore`."""
     if name == "auto":
         name = resolve_auto(model_name)
     if name == "none":
@@ -63,7 +81,7 @@ def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: 
     if name == "suffix":
         from moaspec.drafters.suffix import SuffixDrafter
 
-        return SuffixDrafter()
+        return SuffixDrafter(store=load_datastore(model_name, datastore))
     if name == "hybrid":
         from moaspec.drafters.hybrid import HybridDrafter
         from moaspec.drafters.suffix import SuffixDrafter
@@ -72,7 +90,7 @@ def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: 
             raise UserError(f"the hybrid drafter pairs the suffix drafter with one of {', '.join(HYBRID_MODELS)}; "
                             f"got {hybrid_model!r}")
         model = build_drafter(hybrid_model, model_name, target, draft_model=draft_model, drafter_path=drafter_path)
-        return HybridDrafter(SuffixDrafter(), model, hybrid_policy)
+        return HybridDrafter(SuffixDrafter(store=load_datastore(model_name, datastore)), model, hybrid_policy)
     if name == "model":
         from moaspec.drafters.draft_model import DraftModelDrafter
         from moaspec.models.runtime import Transformer

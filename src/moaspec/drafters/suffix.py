@@ -3,7 +3,9 @@ the longest suffixes of the text the way they continued before, weighted by how 
 
 Two indexes, both `SuffixIndex`: one over the current prompt + output (rebuilt at `begin`, extended
 in `observe`), and a bounded global one over this drafter's earlier outputs (FIFO by tokens), so a
-chat session or a rerun of similar tasks drafts the model's own habits. Every draft node carries the
+chat session or a rerun of similar tasks drafts the model's own habits; and optionally a static
+`drafters.datastore.Datastore` of the target's answers to other prompts, for the habits a session has
+not shown yet. The best-scoring of the three drafts is proposed. Every draft node carries the
 empirical probability of its path, child count / parent count along the index, and the expected
 accepted length of a draft is the sum of those path probabilities: what a hybrid compares against
 a model drafter (`drafters.hybrid`). No model at all: tens of microseconds per round.
@@ -22,10 +24,13 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.tree import Tree, TreeConfig
 from moaspec.errors import UserError
+
+if TYPE_CHECKING:
+    from moaspec.drafters.datastore import Datastore
 
 
 class _Node:
@@ -155,6 +160,7 @@ class SuffixDraft:
     parents: list[int]  # index into tokens, -1 for a child of the root
     probs: list[float]  # empirical probability of the path to each node, in (0, 1], falling along a path
     match_len: int = 0
+    source: str = "text"  # what it continues: the current "text", the "history" of outputs, or the "store"
 
     @property
     def score(self) -> float:
@@ -232,7 +238,7 @@ class SuffixDrafter:
     branching = False
 
     def __init__(self, max_depth: int = 32, spec_factor: float = 1.0, min_prob: float = 0.1,
-                 cache_tokens: int = 65536):
+                 cache_tokens: int = 65536, store: Datastore | None = None):
         if spec_factor <= 0 or not 0 <= min_prob <= 1 or cache_tokens < 0:
             raise UserError("suffix drafter: spec_factor > 0, min_prob in [0, 1] and cache_tokens >= 0 required")
         self.max_depth, self.spec_factor, self.min_prob = max_depth, spec_factor, min_prob
@@ -246,6 +252,7 @@ class SuffixDrafter:
         self.active: list[_Node] = []  # local index: repeated suffixes of the context
         self.recalled: list[Match] = []  # history index: suffixes of the context seen in earlier outputs
         self.last = SuffixDraft([], [], [])
+        self.store = store  # the target's answers to other prompts (`drafters.datastore`), searched last
 
     def begin(self, prompt: list[int], context: Any = None) -> None:
         self._remember(self.context[self.prompt_len:])
@@ -275,14 +282,20 @@ class SuffixDrafter:
             self.recalled = self.history.follow(self.recalled, t)
 
     def draft(self, root: int, cfg: TreeConfig) -> SuffixDraft:
-        """The better-scoring draft of the two indexes for the text + `root` (the current text wins ties)."""
+        """The best-scoring draft of the indexes and the store for the text + `root` (the current text
+        wins ties, then this session's outputs)."""
         here = self.local.follow([(n, 0) for n in self.active[1:]], root)
         floor = max(self.min_prob, cfg.min_prob)
         d = best_draft(here, cfg, self.spec_factor, floor)
         if self.outputs:
             h = best_draft(self.history.follow(self.recalled, root), cfg, self.spec_factor, floor)
+            h.source = "history"
             if h.score > d.score:
                 d = h
+        if self.store is not None:
+            s = self.store.draft([*self.context[1 - self.store.max_match:], root], cfg, self.spec_factor, floor)
+            if s.score > d.score:
+                d = s
         return d
 
     def propose(self, root: int, cfg: TreeConfig) -> Tree:

@@ -436,6 +436,25 @@ def texts(folder: str | Path) -> Iterator[str]:
         yield from tok.batch_decode([r.ids for r in rows], skip_special_tokens=True)
 
 
+def answers(folder: str | Path, model: str, sources: Iterable[str] = ("gen",), context: int = 2) -> Iterator[list[int]]:
+    """The answers of a data folder for `model`, each with the last `context` prompt tokens (the chat
+    template's opening of the answer), so that a datastore can draft an answer's first tokens too."""
+    folder = Path(folder)
+    try:
+        have = json.loads((folder / "config.json").read_text())["model"]
+    except (OSError, ValueError, KeyError):
+        raise UserError(f"{folder} is not a `moaspec data` folder (no readable config.json)") from None
+    if have != model:
+        raise UserError(f"{folder} holds data for {have}, not {model}")
+    bad = [s for s in sources if s not in SOURCES]
+    if bad:
+        raise UserError(f"unknown data source(s) {', '.join(bad)}; choose among {', '.join(SOURCES)}")
+    for source in sources:
+        for path in shards(folder, source):
+            for r in read_shard(path):
+                yield r.ids[max(0, r.prompt_len - context):]
+
+
 def _llama_server() -> Path | None:
     from moaspec.bench.llamacpp import bin_dir
 
