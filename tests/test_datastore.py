@@ -11,6 +11,8 @@ import pytest
 from conftest import assert_same_or_near_tie
 from prompts import PROMPTS
 
+from moaspec import cli
+from moaspec.bench.suite import BenchConfig, resolve_methods
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import AdaptiveChain, TreeConfig
@@ -18,6 +20,7 @@ from moaspec.drafters import build_drafter, shipped_checkpoint
 from moaspec.drafters.datastore import SEP, Datastore, suffix_array
 from moaspec.drafters.suffix import SuffixDrafter
 from moaspec.errors import UserError
+from moaspec.training.data import Sequence, answers, write_shard
 
 CHAIN4 = TreeConfig(4, 1, 4)
 
@@ -71,6 +74,12 @@ def test_drafts_the_counted_continuations():
     assert store.draft([4, 4], CHAIN4, 1.0, 0.0).tokens == []  # no match
 
 
+def test_a_match_that_only_ends_answers_falls_back_to_a_shorter_one():
+    store = Datastore.from_sequences([[1, 2, 3], [5, 2, 3, 4]], "toy")
+    d = store.draft([1, 2, 3], CHAIN4, spec_factor=1.0, min_prob=0.0)
+    assert (d.tokens, d.probs, d.match_len) == ([4], [0.5], 2)
+
+
 def test_samples_spread_over_a_large_range():
     seqs = [[1, 2]] * 300 + [[1, 3]] * 100
     store = Datastore.from_sequences(seqs, "toy", samples=40)
@@ -103,8 +112,21 @@ def test_files_round_trip_and_bad_files_are_clear_errors(tmp_path):
         Datastore.load(tmp_path / "s")
     with pytest.raises(UserError, match="not a readable datastore"):
         Datastore.load(tmp_path / "missing")
-    with pytest.raises(UserError, match="max_match >= 2"):
+    good = (tmp_path / "s" / "config.json").read_text()
+    store.save(tmp_path / "s")
+    (tmp_path / "s" / "datastore.npz").write_bytes((tmp_path / "s" / "datastore.npz").read_bytes()[:200])
+    with pytest.raises(UserError, match="not a readable datastore"):  # truncated
+        Datastore.load(tmp_path / "s")
+    Datastore.from_sequences([[1, 2]], "toy").save(tmp_path / "s")  # a store of another size ...
+    (tmp_path / "s" / "config.json").write_text(good)  # ... under the first one's config
+    with pytest.raises(UserError, match="holds 3"):
+        Datastore.load(tmp_path / "s")
+    with pytest.raises(UserError, match="max_match in"):
         Datastore.from_sequences([[1]], "toy", max_match=1)
+    with pytest.raises(UserError, match="max_match in"):
+        Datastore.from_sequences([[1]], "toy", max_match=65)
+    with pytest.raises(UserError, match="one row of ids"):
+        Datastore(np.array([-1, 5]), "toy")
     with pytest.raises(UserError, match="non-empty"):
         Datastore.from_sequences([[]], "toy")
 
@@ -115,11 +137,53 @@ def test_shipped_stores_load_for_their_target(model):
     assert len(store) > 100_000 and store.model == model
 
 
-def test_greedy_output_equals_plain_with_the_shipped_store(dec_none, plain_greedy):
+def _data_folder(path, model: str):
+    path.mkdir()
+    (path / "config.json").write_text(f'{{"model": "{model}", "val_fraction": 0.0}}')
+    write_shard(path / "gen-00000.npz", [Sequence("a", "chat", [1, 2, 3, 4, 5], 3, mode="greedy"),
+                                         Sequence("b", "chat", [6, 7, 8], 1, mode="sampled")])
+    return path
+
+
+def test_cli_builds_a_store_from_a_data_folder_and_checks_its_flags(tmp_path, capsys):
+    data = _data_folder(tmp_path / "data", "smollm2-135m")
+    assert list(answers(data, "smollm2-135m")) == [[2, 3, 4, 5], [6, 7, 8]]  # two prompt tokens at the most
+    assert cli.main(["datastore", "--model", "smollm2-135m", "--data", str(data), "--to", str(tmp_path / "st")]) == 0
+    assert len(Datastore.load(tmp_path / "st", "smollm2-135m")) == 9
+    for argv, message in [
+        (["datastore", "--model", "qwen2.5-coder-0.5b", "--data", str(data), "--to", str(tmp_path / "x")],
+         "holds data for smollm2-135m"),
+        (["datastore", "--model", "smollm2-135m", "--data", str(data), "--sources", "gen,web"], "unknown data source"),
+        (["datastore", "--model", "smollm2-135m", "--data", str(data), "--sources", "text", "--to", str(tmp_path)],
+         "no text shards"),
+        (["datastore", "--model", str(tmp_path), "--data", str(data)], "pass --to DIR"),
+        (["generate", "--drafter", "lookup", "--datastore", "none", "--prompt", "x"], "only applies to --drafter"),
+        (["generate", "--drafter", "suffix", "--datastore", str(tmp_path / "nope"), "--prompt", "x"], "no such folder"),
+    ]:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_store_past_the_vocabulary_is_refused(dec_none, tmp_path):
+    Datastore.from_sequences([[1, 10**6]], dec_none.model_name).save(tmp_path / "st")
+    with pytest.raises(UserError, match="past smollm2-135m's vocabulary"):
+        build_drafter("suffix", dec_none.model_name, dec_none.target, datastore=str(tmp_path / "st"))
+    assert build_drafter("hybrid", dec_none.model_name, dec_none.target, datastore="none").free.store is None
+
+
+def test_bench_runs_the_suffix_drafter_without_its_store():
+    methods, _ = resolve_methods(BenchConfig(model="smollm2-135m", methods=("plain", "suffix", "suffix-nostore")))
+    assert [(m.name, m.drafter, m.datastore) for m in methods] == [
+        ("plain", "none", None), ("suffix", "suffix", None), ("suffix-nostore", "suffix", "none")]
+
+
+@pytest.mark.parametrize("tree", [TreeConfig.parse("adaptive:6"), TreeConfig(4, 2, 6)])
+def test_greedy_output_equals_plain_with_the_shipped_store(dec_none, plain_greedy, tree):
     drafter = build_drafter("suffix", dec_none.model_name, dec_none.target)
     assert drafter.store is not None and drafter.store.model == dec_none.model_name
-    engine = Engine(LocalTarget(dec_none.target), drafter, TreeConfig.parse("adaptive:6"),
-                    AdaptiveChain({1: 10.0, 2: 10.0, 4: 10.5, 8: 12.0}, 6))
+    adapt = AdaptiveChain({1: 10.0, 2: 10.0, 4: 10.5, 8: 12.0}, 6) if tree.adaptive else None
+    engine = Engine(LocalTarget(dec_none.target), drafter, tree, adapt)
     store_rounds = 0
     for prompt in (PROMPTS[3], PROMPTS[14]):
         prompt_ids, plain = plain_greedy(prompt, 48)

@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moaspec", description="Speculative decoding with a Mixture-of-Attentions drafter (CPU).")
     sub = p.add_subparsers(dest="command", required=True,
-                           metavar="{generate,chat,serve,serve-target,data,train,export,bench,models}")
+                           metavar="{generate,chat,serve,serve-target,data,train,export,datastore,bench,models}")
 
     g = sub.add_parser("generate", help="generate a completion for one prompt",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -340,6 +340,13 @@ def _check_models(args: argparse.Namespace) -> None:
         if args.drafter != "model" and (args.drafter, args.hybrid_model) != ("hybrid", "model"):
             raise UserError(f"--draft-model only applies to --drafter model (got --drafter {args.drafter})")
         _check_model_name(args.draft_model, "--draft-model")
+    if args.datastore is not None:
+        if args.drafter not in ("auto", "suffix", "hybrid"):
+            raise UserError("--datastore only applies to --drafter suffix, hybrid or auto "
+                            f"(got --drafter {args.drafter})")
+        if args.datastore != "none" and not Path(args.datastore).expanduser().is_dir():
+            raise UserError(f"--datastore {args.datastore}: no such folder; build one with `moaspec datastore` "
+                            "or pass none")
 
 
 def _not_utf8(what: str, byte: int, offset: int) -> UserError:
@@ -692,6 +699,8 @@ def cmd_datastore(args: argparse.Namespace) -> int:
     from moaspec.training.data import answers
 
     _check_model_name(args.model, "--model")
+    if args.to is None and args.model not in MODELS:
+        raise UserError(f"--model {args.model} is not a known model name: pass --to DIR for its datastore")
     sources = _csv(args.sources)
     store = Datastore.from_sequences(answers(args.data, args.model, sources), args.model)
     folder = store.save(args.to or shipped_checkpoint("datastore", args.model),

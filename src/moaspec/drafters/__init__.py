@@ -53,7 +53,7 @@ def resolve_auto(model: str) -> str:
 def load_datastore(model: str, datastore: str | None = None) -> Datastore | None:
     """The suffix drafter's datastore (`drafters.datastore`): the one shipped for the target when
     `datastore` is None (none shipped: no store), none for "none", else the folder given. Read-only
-    once built, so one copy serves every drafter of the process."""
+    once built, so one copy serves every drafter of the process (a folder is read once per process)."""
     from moaspec.drafters.datastore import Datastore
 
     if datastore == "none":
@@ -62,6 +62,14 @@ def load_datastore(model: str, datastore: str | None = None) -> Datastore | None
         folder = shipped_checkpoint("datastore", model)
         return Datastore.load(folder, model) if folder.exists() else None
     return Datastore.load(datastore, model)
+
+
+def _store(model: str, datastore: str | None, target: TargetParts) -> Datastore | None:
+    store = load_datastore(model, datastore)
+    if store is not None and store.max_token >= target.cfg.vocab_size:
+        raise UserError(f"the datastore {datastore or '(shipped)'} holds token {store.max_token}, past {model}'s "
+                        f"vocabulary of {target.cfg.vocab_size}: rebuild it with `moaspec datastore --model {model}`")
+    return store
 
 
 def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: str | None = None,
@@ -81,7 +89,7 @@ def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: 
     if name == "suffix":
         from moaspec.drafters.suffix import SuffixDrafter
 
-        return SuffixDrafter(store=load_datastore(model_name, datastore))
+        return SuffixDrafter(store=_store(model_name, datastore, target))
     if name == "hybrid":
         from moaspec.drafters.hybrid import HybridDrafter
         from moaspec.drafters.suffix import SuffixDrafter
@@ -90,7 +98,7 @@ def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: 
             raise UserError(f"the hybrid drafter pairs the suffix drafter with one of {', '.join(HYBRID_MODELS)}; "
                             f"got {hybrid_model!r}")
         model = build_drafter(hybrid_model, model_name, target, draft_model=draft_model, drafter_path=drafter_path)
-        return HybridDrafter(SuffixDrafter(store=load_datastore(model_name, datastore)), model, hybrid_policy)
+        return HybridDrafter(SuffixDrafter(store=_store(model_name, datastore, target)), model, hybrid_policy)
     if name == "model":
         from moaspec.drafters.draft_model import DraftModelDrafter
         from moaspec.models.runtime import Transformer

@@ -18,6 +18,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import json
+import os
+import zipfile
+import zlib
 from array import array
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,6 +34,7 @@ from moaspec.errors import UserError
 SEP = 0xFFFFFFFF  # between answers: never a token, so no match or continuation crosses it
 STORE_FILE = "datastore.npz"
 CONFIG_FILE = "config.json"
+MAX_MATCH = 64  # the suffix array sorts by this many tokens at the most (one key array each)
 
 
 def suffix_array(tokens: np.ndarray, width: int) -> np.ndarray:
@@ -48,9 +52,14 @@ class Datastore:
 
     def __init__(self, tokens: np.ndarray, model: str, max_match: int = 16, samples: int = 64,
                  sa: np.ndarray | None = None):
-        if max_match < 2 or samples < 1:
-            raise UserError(f"a datastore needs max_match >= 2 and samples >= 1, got {max_match}, {samples}")
-        tokens = np.asarray(tokens, dtype=np.uint32)
+        if not 2 <= max_match <= MAX_MATCH or samples < 1:
+            raise UserError(f"a datastore needs max_match in [2, {MAX_MATCH}] and samples >= 1, "
+                            f"got {max_match}, {samples}")
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or (len(tokens) and (int(tokens.min()) < 0 or
+                                                                                  int(tokens.max()) > SEP)):
+            raise UserError("a datastore's tokens are one row of ids in [0, 2**32 - 1]")
+        tokens = tokens.astype(np.uint32)
         if sa is None:
             sa = suffix_array(tokens, max_match)
         self.model, self.max_match, self.samples = model, max_match, samples
@@ -72,28 +81,46 @@ class Datastore:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def max_token(self) -> int:
+        """The largest token id held (-1 for none): it must be below the target's vocabulary size."""
+        ids = np.frombuffer(self.tokens, dtype=np.uint32)
+        ids = ids[ids != SEP]
+        return int(ids.max()) if len(ids) else -1
+
     # ---------------------------------------------------------------- files
     def save(self, folder: str | Path, provenance: dict | None = None) -> Path:
         """Token ids only (the suffix array is rebuilt at load, under a second), and a config naming the
-        target and, in `provenance`, where the answers came from."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(folder / STORE_FILE, tokens=np.frombuffer(self.tokens, dtype=np.uint32))
-        (folder / CONFIG_FILE).write_text(json.dumps(
-            {"kind": "datastore", "target": self.model, "tokens": len(self.tokens), "max_match": self.max_match,
-             "samples": self.samples, **(provenance or {})}, indent=1) + "\n")
+        target and, in `provenance`, where the answers came from. Each file is written aside and moved
+        into place, the config last; a store left half-written is refused at load (token count)."""
+        folder = Path(folder).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".{STORE_FILE}.tmp.npz"
+            np.savez_compressed(tmp, tokens=np.frombuffer(self.tokens, dtype=np.uint32))
+            os.replace(tmp, folder / STORE_FILE)
+            cfg = {"kind": "datastore", "target": self.model, "tokens": len(self.tokens), "max_match": self.max_match,
+                   "samples": self.samples, **(provenance or {})}
+            (folder / f".{CONFIG_FILE}.tmp").write_text(json.dumps(cfg, indent=1) + "\n")
+            os.replace(folder / f".{CONFIG_FILE}.tmp", folder / CONFIG_FILE)
+        except OSError as e:
+            raise UserError(f"cannot write the datastore to {folder} ({e}); pass --to DIR, a folder you can write") \
+                from None
         return folder
 
     @classmethod
     def load(cls, folder: str | Path, model: str | None = None) -> Datastore:
         """The datastore in `folder`, checked to be for `model` when given."""
-        folder = Path(folder)
+        folder = Path(folder).expanduser()
         try:
             cfg = json.loads((folder / CONFIG_FILE).read_text())
             with np.load(folder / STORE_FILE) as z:
                 tokens = z["tokens"]
-            target, max_match, samples = cfg["target"], int(cfg["max_match"]), int(cfg["samples"])
-        except (OSError, KeyError, ValueError, TypeError) as e:
+            if cfg["kind"] != "datastore" or int(cfg["tokens"]) != len(tokens):
+                raise ValueError(f"config.json says {cfg['kind']!r} of {cfg['tokens']} tokens, "
+                                 f"{STORE_FILE} holds {len(tokens)}")
+            target, max_match, samples = str(cfg["target"]), int(cfg["max_match"]), int(cfg["samples"])
+        except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile, zlib.error) as e:
             raise UserError(f"{folder} is not a readable datastore ({e}); rebuild it with "
                             "`moaspec datastore`") from None
         if model is not None and target != model:
@@ -135,21 +162,19 @@ class Datastore:
         most spec_factor x match length levels, `cfg.topk` children a node, `cfg.total_tokens` nodes,
         none whose path probability is below `min_prob`."""
         m, lo, hi = self.longest_match(tail)
-        depth = min(cfg.depth, int(spec_factor * m + 1e-6))
-        if depth <= 0:
-            return SuffixDraft([], [], [], source="store")
-        n = min(self.samples, hi - lo)
         trie: dict = {}  # token -> [count, children]
-        toks = self.tokens
-        for j in range(n):
-            s = self.sa[lo + (j * (hi - lo)) // n] + m
-            node = trie
-            for t in toks[s:s + depth]:
-                if t == SEP:
-                    break
-                entry = node.setdefault(t, [0, {}])
-                entry[0] += 1
-                node = entry[1]
+        while m > 0:
+            depth = min(cfg.depth, int(spec_factor * m + 1e-6))
+            if depth <= 0:
+                break
+            n = min(self.samples, hi - lo)
+            self._count(trie, lo, hi, n, m, depth)
+            if trie:
+                break
+            m -= 1  # every occurrence ends its answer here: a shorter match may continue
+            lo, hi = self._range(tail[len(tail) - m:]) if m else (0, 0)
+        if not trie:
+            return SuffixDraft([], [], [], source="store")
         out = SuffixDraft([], [], [], match_len=m, source="store")
         heap: list[tuple[float, int, int, int, dict, int]] = []  # (-prob, tiebreak, token, parent, children, depth)
         order = 0
@@ -173,3 +198,17 @@ class Datastore:
             out.probs.append(-neg)
             push(kids, len(out.tokens) - 1, level)
         return out
+
+    def _count(self, trie: dict, lo: int, hi: int, n: int, m: int, depth: int) -> None:
+        """Count into `trie` the next `depth` tokens after n occurrences spread evenly over [lo, hi) of
+        an m-token match, each cut at the end of its answer."""
+        toks = self.tokens
+        for j in range(n):
+            s = self.sa[lo + (j * (hi - lo)) // n] + m
+            node = trie
+            for t in toks[s:s + depth]:
+                if t == SEP:
+                    break
+                entry = node.setdefault(t, [0, {}])
+                entry[0] += 1
+                node = entry[1]

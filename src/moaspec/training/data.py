@@ -442,13 +442,17 @@ def answers(folder: str | Path, model: str, sources: Iterable[str] = ("gen",), c
     folder = Path(folder)
     try:
         have = json.loads((folder / "config.json").read_text())["model"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"{folder} is not a `moaspec data` folder (no readable config.json)") from None
     if have != model:
         raise UserError(f"{folder} holds data for {have}, not {model}")
+    sources = list(dict.fromkeys(sources))
     bad = [s for s in sources if s not in SOURCES]
-    if bad:
-        raise UserError(f"unknown data source(s) {', '.join(bad)}; choose among {', '.join(SOURCES)}")
+    if bad or not sources:
+        raise UserError(f"unknown data source(s) {', '.join(bad) or '(none given)'}; choose among {', '.join(SOURCES)}")
+    empty = [s for s in sources if not shards(folder, s)]
+    if empty:
+        raise UserError(f"{folder} holds no {', '.join(empty)} shards; choose among the sources it has")
     for source in sources:
         for path in shards(folder, source):
             for r in read_shard(path):
