@@ -38,6 +38,25 @@ for rows in (1, 2, 3, 4, 5, 8, 17, 40):
             p, sc, off = quant.quantize_int4(w, g)
             ref = x @ quant.dequantize_int4(p, sc, off).T
             worst = max(worst, ((k.linear_q4(x, p, sc, off, g) - ref).abs().max() / ref.abs().max()).item())
+    # fp16 weights, fp32 sums: only the summation order differs from the reference
+    w16 = torch.randn(73, 456).half()  # 456 = 14 blocks of 32 + 8; 73 channels leave a tile's tail
+    xs = torch.randn(rows, 456)
+    ref = xs @ w16.float().T + b[:1]
+    b73 = b[:1].expand(73).contiguous()
+    worst = max(worst, ((k.linear_f16(xs, w16, b73) - ref).abs().max() / ref.abs().max()).item() * 100)
+# attention against SDPA: every head size the kernel has a path for, with and without a mask
+for d in (64, 128, 80):
+    for n in (1, 3, 8):
+        T = 37 + n
+        q, kk, vv = torch.randn(6, n, d), torch.randn(2, 50, d), torch.randn(2, 50, d)
+        mask = torch.rand(n, T) < 0.7
+        mask[:, 0] = True
+        causal = torch.ones(n, T, dtype=torch.bool).tril(T - n)
+        for m in (None, mask):
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[None], kk[None, :, :T], vv[None, :, :T], attn_mask=causal if m is None else m, scale=d ** -0.5,
+                enable_gqa=True)[0]
+            worst = max(worst, (k.attention(q, kk, vv, T, m, d ** -0.5) - ref).abs().max().item() * 100)
 print(worst)
 """
 
@@ -57,16 +76,35 @@ def test_kernels_match_their_dequantised_weights(arch):
 def test_a_row_does_not_depend_on_the_rows_beside_it():
     """Verification scores k rows in one call where plain decoding scores one: each kernel must give a
     row the same bits whatever the row count (every tile size, and tiles after the first), or greedy
-    speculative decoding could differ from plain."""
+    speculative decoding could differ from plain. The causal attention of row i reads the same slots
+    (0 .. 21 + i) whatever the row count."""
     k = quant.kernels()
     torch.manual_seed(2)
     w, x, b = torch.randn(40, 256), torch.randn(19, 256), torch.randn(40)
     q, s = quant.quantize_int8(w)
     p, sc, off = quant.quantize_int4(w, 32)
-    for name, f in (("int8", lambda x: k.linear_q8(x, q, s, b)), ("int4", lambda x: k.linear_q4(x, p, sc, off, 32))):
+    w16 = w.half()
+    for name, f in (("int8", lambda x: k.linear_q8(x, q, s, b)), ("int4", lambda x: k.linear_q4(x, p, sc, off, 32)),
+                    ("fp16", lambda x: k.linear_f16(x, w16, b)),
+                    ("fp16, 3 channels", lambda x: k.linear_f16(x, w16[:3]))):
         single = torch.cat([f(x[i:i + 1].contiguous()) for i in range(len(x))])
         for rows in range(2, len(x) + 1):
             assert torch.equal(f(x[:rows].contiguous()), single[:rows]), (name, rows)
+    keys, values = w[None, :, :64].contiguous(), w[None, :, 64:128].contiguous()  # 40 slots
+
+    def attend(rows: torch.Tensor, seen: int) -> torch.Tensor:  # rows after `seen` slots, causal
+        return k.attention(rows[None, :, :64].contiguous(), keys, values, seen + rows.shape[0], None, 0.125)[0]
+
+    for rows in range(1, 9):
+        alone = torch.cat([attend(x[i:i + 1], 21 + i) for i in range(rows)])
+        assert torch.equal(attend(x[:rows], 21), alone), ("attention", rows)
+    # a tree row sees its ancestors at scattered slots; committed, they sit side by side: same bits
+    q1 = x[:1, None, :64].transpose(0, 1).contiguous()
+    tree = torch.zeros(1, 40, dtype=torch.bool)
+    tree[0, [*range(21), 23, 26, 31]] = True
+    gathered = [*range(21), 23, 26, 31]
+    side_by_side = k.attention(q1, keys[:, gathered].contiguous(), values[:, gathered].contiguous(), 24, None, 0.125)
+    assert torch.equal(k.attention(q1, keys, values, 40, tree, 0.125), side_by_side)
 
 
 def test_quantisers_round_trip():

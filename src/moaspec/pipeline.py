@@ -23,7 +23,7 @@ from moaspec.drafters import build_drafter
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
 from moaspec.models import quant
-from moaspec.models.linear import QUANTISED, WeightMode
+from moaspec.models.linear import WeightMode
 from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import cache_dir, chat_ids, load_tokenizer, resolve, weights_fingerprint
@@ -171,7 +171,7 @@ class SpecDecoder:
         if self.remote is not None:
             return self.remote.pass_costs()
         key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
-        if self.target.weights in QUANTISED:  # new kernels, new costs
+        if self.target.kernels is not None:  # the compiled kernels run: new kernels, new costs
             key += f"|{quant.source_tag()}"
         path = cache_dir() / "calibration.json"
         try:

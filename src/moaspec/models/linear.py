@@ -5,7 +5,9 @@ rows (decode, drafting, tree verification) `(W @ x.T).T` on a row-contiguous `x`
 fastest, with the row count padded where MKL is slow: 1 row runs as 2 (Qwen 0.5B decode step 100 ms
 -> 80 ms, the 2-row kernel reaches ~28 GB/s where gemv does not), 9-15 rows as 16. Prefill-sized
 inputs use `F.linear`. The `fp16` weight mode uses fbgemm's prepacked fp16 kernel (fp32 accumulation),
-about 2x faster at every row count. (Dynamic int8 was tried:
+about 2x faster at every row count, and up to `FEW_ROWS` rows the compiled kernel of `quant.py` where it
+builds: it converts each weight once for all rows, so a 2-6 row verification costs little more than a
+decode step, and its rows are independent of each other (fbgemm's are not). (Dynamic int8 was tried:
 per-tensor activation quantisation breaks on these models' outlier activations, logits off by >10.)
 The `int8` and `int4` modes store quantised weights and multiply them with the compiled kernels of
 `quant.py` (activations quantised per block of 32 values); `int4` groups 32 inputs per scale and
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 # At 5-8 rows, very tall matrices (an LM head) are multiplied 4 rows at a time: MKL's 5-8 row kernel is
 # slow there (Qwen 0.5B head, 8 rows: 52 ms in one call, 41 ms in two calls of 4).
 TALL = 32768
+FEW_ROWS = 8  # up to this many rows, fp16 layers run `linear_f16` (beyond, fbgemm's blocked kernel is faster)
 
 
 class Linear:
@@ -39,7 +42,8 @@ class Linear:
         self.mode = mode
         self.bias = None if bias is None else bias.float().contiguous()
         self.cpu = weight.device.type == "cpu"
-        self.weight = self.packed = self.q = None
+        self.weight = self.packed = self.q = self.w16 = None
+        self.few_rows = True  # use the few-row fp16 kernel where there is one (off: fbgemm only, to compare)
         if mode in QUANTISED:
             mode = self.mode = runnable_mode(mode, weight.device, self.in_features)
         if mode in QUANTISED:
@@ -56,6 +60,9 @@ class Linear:
             self.bias = None if bias is None else bias.to(dtype)
         elif mode == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), self.bias)
+            self.kernels = quant.kernels_or_none()
+            # a second copy of the weights in fp16 for the few-row kernel (fbgemm's packing is opaque)
+            self.w16 = weight.half().contiguous() if self.kernels is not None and self.in_features % 8 == 0 else None
         else:
             self.weight = weight.float().contiguous()
 
@@ -64,6 +71,8 @@ class Linear:
         if not self.cpu:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
         if self.packed is not None:
+            if n <= FEW_ROWS and self.w16 is not None and self.few_rows:
+                return self.kernels.linear_f16(x.float().contiguous(), self.w16, self.bias)
             return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
         if self.q is not None:
             x = x.float().contiguous()

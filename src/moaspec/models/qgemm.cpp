@@ -7,6 +7,7 @@
 //   int4: W = q * s[n, g] + m[n, g]  q in [0, 15], scale and offset (fp16) per group of G inputs;
 //         32 values a block, byte j of a block holds value j (low nibble) and value j + 16 (high).
 // The offset term needs only the activations' block sums: sum_b dx_b * sum(qx_b) per group.
+// Also: fp16 weights for a few rows (`linear_f16`), and attention whose rows do not depend on each other.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -36,6 +37,31 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The 8 horizontal sums of a[0..7] as one vector (lane s: a[s]'s sum, in the same order for every s).
+inline __m256 hsum8(const __m256 (&a)[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// e^x for x <= 0 (Cephes' single-precision polynomial, ~2 ulp); below -87.3 it returns e^-87.3.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 // acc + u8 x s8 products summed in fours to 8 int32 lanes (u8 pairs times s8 must not exceed int16
@@ -272,6 +298,97 @@ torch::Tensor run(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias
   return y;
 }
 
+// fp16 weights, fp32 activations and sums, for the few rows of a decode step, a draft step or a small
+// tree: one channel's weights are converted once (F16C) for all RT rows, so 2-8 rows stream the weights
+// about as fast as one (fbgemm's fp16 kernel: +10-35% at 2-6 rows in a Qwen 0.5B pass). Two
+// accumulators per row alternate 8-value chunks whatever RT is: a row's sum never depends on the rows
+// beside it (row-invariant), so a k-row verification scores a token exactly as a 1-row step does. The
+// weights are prefetched 2 KB ahead, which keeps more of the stream in flight than the hardware does.
+constexpr int64_t F16_PREFETCH = 1024;  // fp16 values
+
+template <int NC, int RT>
+void f16_tile(const float* x, int64_t r0, const uint16_t* w, int64_t K, float* out) {
+  __m256 acc[NC][RT][2];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RT; ++r) acc[c][r][0] = acc[c][r][1] = _mm256_setzero_ps();
+  const float* xr = x + r0 * K;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    for (int c = 0; c < NC; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + c * K + k + F16_PREFETCH), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      for (int c = 0; c < NC; ++c) {
+        const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * K + k + 8 * j)));
+        for (int r = 0; r < RT; ++r)
+          acc[c][r][j & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + r * K + k + 8 * j), acc[c][r][j & 1]);
+      }
+    }
+  }
+  for (int j = 0; k < K; k += 8, ++j)
+    for (int c = 0; c < NC; ++c) {
+      const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * K + k)));
+      for (int r = 0; r < RT; ++r)
+        acc[c][r][j & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + r * K + k), acc[c][r][j & 1]);
+    }
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < RT; ++r) out[r * NC + c] = hsum(_mm256_add_ps(acc[c][r][0], acc[c][r][1]));
+}
+
+template <int RT>
+void f16_rows(const float* x, int64_t r0, const uint16_t* w, int64_t K, int64_t n0, int64_t n1, int64_t N,
+              const float* bias, float* y) {
+  // several channels a tile where few rows leave registers free: fewer calls and reductions per byte
+  constexpr int NC = RT <= 2 ? 2 : 1;
+  float out[NC * RT];
+  int64_t n = n0;
+  auto store = [&](int nc) {
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < nc; ++c) y[(r0 + r) * N + n + c] = out[r * nc + c] + (bias ? bias[n + c] : 0.f);
+  };
+  for (; n + NC <= n1; n += NC) {
+    f16_tile<NC, RT>(x, r0, w + n * K, K, out);
+    store(NC);
+  }
+  for (; n < n1; ++n) {
+    f16_tile<1, RT>(x, r0, w + n * K, K, out);
+    store(1);
+  }
+}
+
+torch::Tensor linear_f16(const torch::Tensor& x, const torch::Tensor& w16, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(w16.dim() == 2 && w16.scalar_type() == torch::kHalf && w16.is_contiguous(), "w must be fp16 [out, in]");
+  const int64_t N = w16.size(0), K = w16.size(1), R = x.size(0);
+  check_input(x, K);
+  TORCH_CHECK(K % 8 == 0, "fp16 layers need in_features divisible by 8");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                "bias must be a contiguous float32 [out] tensor");
+    bp = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({R, N}, torch::kFloat32);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(w16.data_ptr<at::Half>());
+  constexpr int64_t NB = 16;
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * NB, n1 = std::min(N, end * NB);
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {
+      switch (std::min<int64_t>(8, R - r0)) {
+        case 8: f16_rows<8>(xp, r0, w, K, n0, n1, N, bp, yp); break;
+        case 7: f16_rows<7>(xp, r0, w, K, n0, n1, N, bp, yp); break;
+        case 6: f16_rows<6>(xp, r0, w, K, n0, n1, N, bp, yp); break;
+        case 5: f16_rows<5>(xp, r0, w, K, n0, n1, N, bp, yp); break;
+        case 4: f16_rows<4>(xp, r0, w, K, n0, n1, N, bp, yp); break;
+        case 3: f16_rows<3>(xp, r0, w, K, n0, n1, N, bp, yp); break;
+        case 2: f16_rows<2>(xp, r0, w, K, n0, n1, N, bp, yp); break;
+        default: f16_rows<1>(xp, r0, w, K, n0, n1, N, bp, yp);
+      }
+    }
+  });
+  return y;
+}
+
 torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
                         const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == torch::kInt8 && qw.is_contiguous(), "qw must be int8 [out, in]");
@@ -329,6 +446,62 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qw, const t
   });
 }
 
+struct AttendArgs {
+  const float *q, *k, *v;  // one query row; its KV head's keys and values
+  int64_t ks, vs, T, T8;   // slot strides; slots read; T rounded up to 8
+  const bool* row;         // the row's mask over T slots, or null: causal, slots 0..last
+  int64_t last;
+  __m256 scale;
+  const float* zeros;      // a zero key for the padding
+  float* out;
+  int64_t nv;              // head_dim / 8
+};
+
+// One (head, row) of `attention`. NV: head_dim / 8 when it is known at compile time (else the upper
+// bound of a run-time `a.nv`).
+template <int NV>
+void attend_row(const AttendArgs& a, float* scores, int32_t* visible) {
+  const int64_t nv = NV == 32 ? a.nv : NV;
+  __m256 qr[NV], acc[NV];
+  for (int64_t j = 0; j < nv; ++j) qr[j] = _mm256_loadu_ps(a.q + 8 * j);
+  // scores of 8 slots at once (8 independent sums, reduced together), blocks aligned at slot 0 and
+  // the last one padded with zero keys: a slot's score never depends on T, n or the mask
+  for (int64_t t0 = 0; t0 < a.T; t0 += 8) {
+    __m256 s8[8];
+    for (int s = 0; s < 8; ++s) {
+      const float* kt = t0 + s < a.T ? a.k + (t0 + s) * a.ks : a.zeros;
+      s8[s] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nv; ++j) s8[s] = _mm256_fmadd_ps(qr[j], _mm256_loadu_ps(kt + 8 * j), s8[s]);
+    }
+    _mm256_storeu_ps(scores + t0, _mm256_mul_ps(hsum8(s8), a.scale));
+  }
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < a.T8; ++t) {
+    const bool on = t < a.T && (a.row ? a.row[t] : t <= a.last);
+    visible[t] = on ? -1 : 0;
+    if (on) mx = std::max(mx, scores[t]);
+  }
+  // exp of 8 slots at once; invisible slots (and the padding) get exactly 0
+  const __m256 mxv = _mm256_set1_ps(mx);
+  for (int64_t t0 = 0; t0 < a.T8; t0 += 8) {
+    const __m256 on = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(visible + t0)));
+    _mm256_storeu_ps(scores + t0, _mm256_and_ps(on, exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + t0), mxv))));
+  }
+  // the sums run over the visible slots in ascending order: a draft's row in a tree (its ancestors at
+  // other slots than after commit) sums exactly as the decode step that would follow them
+  float sum = 0.f;
+  for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < a.T; ++t) {
+    if (scores[t] == 0.f) continue;
+    sum += scores[t];
+    const __m256 ev = _mm256_set1_ps(scores[t]);
+    const float* vt = a.v + t * a.vs;
+    for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vt + 8 * j), acc[j]);
+  }
+  const __m256 inv = _mm256_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+  for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(a.out + 8 * j, _mm256_mul_ps(acc[j], inv));
+}
+
 // Attention whose result for a row does not depend on the other rows of the call. The int8 activation
 // blocks round to the nearest step, so a difference in the last bit of an attention output (which
 // SDPA has between a 1-row decode step and a k-row verification) becomes a different token now and
@@ -344,7 +517,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
               "k and v must be float32 [kv_heads, slots, head_dim]");
   const auto qc = q.contiguous();
   const int64_t H = q.size(0), n = q.size(1), d = q.size(2), Hkv = k.size(0);
-  TORCH_CHECK(d % 8 == 0 && k.size(2) == d && v.size(2) == d, "head_dim must match and be a multiple of 8");
+  TORCH_CHECK(d % 8 == 0 && d <= 256 && k.size(2) == d && v.size(2) == d, "head_dim must match, be a multiple of 8 and at most 256");
   TORCH_CHECK(H % Hkv == 0 && T <= k.size(1) && T >= n, "bad head or slot counts");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k and v need contiguous head_dim");
   const bool* mp = nullptr;
@@ -360,36 +533,21 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hkv, nv = d / 8;
+  const std::vector<float> zeros(d, 0.f);
+  const int64_t T8 = (T + 7) / 8 * 8;
+  const __m256 scale8 = _mm256_set1_ps(static_cast<float>(scale));
   at::parallel_for(0, H * n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(T);
-    std::vector<__m256> acc(nv);
+    std::vector<float> scores(T8);
+    std::vector<int32_t> visible(T8);
     for (int64_t hi = begin; hi < end; ++hi) {
       const int64_t h = hi / n, i = hi % n, kvh = h / group;
-      const float* qv = qp + (h * n + i) * d;
-      const bool* row = mp ? mp + i * T : nullptr;
-      const int64_t last = T - n + i;  // causal: slots 0..last
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < T; ++t) {
-        if (row ? !row[t] : t > last) continue;
-        const float* kt = kp + kvh * ks0 + t * ks1;
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t j = 0; j < nv; ++j) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + 8 * j), _mm256_loadu_ps(kt + 8 * j), a);
-        const float sc = hsum(a) * static_cast<float>(scale);
-        scores[t] = sc;
-        mx = std::max(mx, sc);
+      const AttendArgs a{qp + (h * n + i) * d, kp + kvh * ks0, vp + kvh * vs0, ks1, vs1, T, T8, mp ? mp + i * T : nullptr,
+                         T - n + i, scale8, zeros.data(), op + (h * n + i) * d, nv};
+      switch (nv) {  // the common head sizes with their accumulators in registers
+        case 8: attend_row<8>(a, scores.data(), visible.data()); break;
+        case 16: attend_row<16>(a, scores.data(), visible.data()); break;
+        default: attend_row<32>(a, scores.data(), visible.data());
       }
-      for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
-      float sum = 0.f;
-      for (int64_t t = 0; t < T; ++t) {
-        if (row ? !row[t] : t > last) continue;
-        const float e = std::exp(scores[t] - mx);
-        sum += e;
-        const __m256 ev = _mm256_set1_ps(e);
-        const float* vt = vp + kvh * vs0 + t * vs1;
-        for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(vt + 8 * j), acc[j]);
-      }
-      const __m256 inv = _mm256_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
-      for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(op + (h * n + i) * d + 8 * j, _mm256_mul_ps(acc[j], inv));
     }
   });
   return out;
@@ -398,8 +556,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "weight-only int8/int4 linear layers with block-quantised activations (AVX2)";
+  m.doc() = "weight-only int8/int4 linear layers with block-quantised activations, few-row fp16 layers (AVX2)";
   m.def("linear_q8", &linear_q8, "y = x @ (q * s).T + b", py::arg("x"), py::arg("qw"), py::arg("scale"),
+        py::arg("bias") = py::none());
+  m.def("linear_f16", &linear_f16, "y = x @ w.T + b, fp16 weights, fp32 sums", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
   m.def("attention", &attention, "row-invariant attention over the first T cache slots", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("T"), py::arg("mask") = py::none(), py::arg("scale"));

@@ -86,11 +86,17 @@ def source_tag() -> str:
 
 
 def available() -> bool:
+    return kernels_or_none() is not None
+
+
+def kernels_or_none():
+    """The compiled extension, or None where it cannot be built (optional speed-ups then fall back)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
     try:
-        kernels()
-        return True
+        return kernels()
     except UserError:
-        return False
+        return None
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from moaspec.errors import ContextLengthError, UserError
 from moaspec.models import quant
-from moaspec.models.linear import QUANTISED, WEIGHT_MODES, Linear, WeightMode, runnable_mode, tensor_mode
+from moaspec.models.linear import FEW_ROWS, QUANTISED, WEIGHT_MODES, Linear, WeightMode, runnable_mode, tensor_mode
 
 
 @dataclass(frozen=True)
@@ -232,10 +232,20 @@ class Transformer:
         self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
         self.cache = self.new_cache()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        # Quantised activations turn last-bit differences between a 1-row step and a k-row verification
-        # into different tokens; their attention is row-invariant instead (`qgemm.cpp`).
-        self.row_invariant = weights in QUANTISED and self.device.type == "cpu"
-        self.kernels = quant.kernels() if self.row_invariant else None
+        # Last-bit differences between a 1-row step and a k-row verification can turn into different
+        # tokens (quantised activations often do); on the CPU the few-row layers and the attention of
+        # `qgemm.cpp` compute each row alone, so both score a token alike. fp16 without a compiler keeps
+        # fbgemm and SDPA.
+        self.kernels = quant.kernels_or_none() if self.device.type == "cpu" and weights != "fp32" else None
+        self.few_row_kernels(True)
+
+    def few_row_kernels(self, on: bool = True) -> None:
+        """Switch the compiled few-row fp16 layers and row-invariant attention on (where they built) or
+        off (fbgemm and SDPA, as without a compiler): what `bench.passes` compares."""
+        for lin in [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]:
+            lin.few_rows = on
+        self.row_invariant = on and self.kernels is not None and self.cfg.head_dim % 8 == 0 \
+            and self.cfg.head_dim <= 256
 
     def new_cache(self, size: int | None = None) -> KVCache:
         """A cache of `size` slots (default: the model's context) for one more session."""
@@ -323,7 +333,7 @@ class Transformer:
         end = start + n
         cache.k[i, :, start:end] = k
         cache.v[i, :, start:end] = v
-        if self.row_invariant:
+        if self.row_invariant and (n <= FEW_ROWS or self.weights in QUANTISED):  # SDPA is faster at prefill
             att = self.kernels.attention(q, cache.k[i], cache.v[i], end, mask, self.scale)
         else:
             att = F.scaled_dot_product_attention(
