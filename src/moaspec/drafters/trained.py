@@ -85,12 +85,8 @@ def head_mode(weights: str) -> str:
     target runs fp16. The head is over half the bytes a draft step streams (Qwen 0.5B: 29 of 51 MB) and
     a draft step is memory-bound, so int8 makes a step about a quarter cheaper; the drafts' argmax moves
     only where two logits lie within int8 rounding, and verification keeps the output exact anyway."""
-    if weights != "fp16":
-        return weights
-    try:
-        quant.kernels()
-    except UserError:  # no compiler here: the head stays fp16, without a warning about a mode nobody asked for
-        return weights
+    if weights != "fp16" or quant.kernels_or_none() is None:
+        return weights  # no compiler here: the head stays fp16, without a warning about a mode nobody asked for
     return "int8"  # Linear itself falls back to 16-bit weights on an accelerator
 
 

@@ -91,8 +91,6 @@ def available() -> bool:
 
 def kernels_or_none():
     """The compiled extension, or None where it cannot be built (optional speed-ups then fall back)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
     try:
         return kernels()
     except UserError:

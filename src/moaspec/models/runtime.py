@@ -333,7 +333,9 @@ class Transformer:
         end = start + n
         cache.k[i, :, start:end] = k
         cache.v[i, :, start:end] = v
-        if self.row_invariant and (n <= FEW_ROWS or self.weights in QUANTISED):  # SDPA is faster at prefill
+        # SDPA is faster at prefill; fp16 layers beyond FEW_ROWS are fbgemm's and not row-invariant anyway,
+        # while the quantised layers are at every row count
+        if self.row_invariant and (n <= FEW_ROWS or self.weights in QUANTISED):
             att = self.kernels.attention(q, cache.k[i], cache.v[i], end, mask, self.scale)
         else:
             att = F.scaled_dot_product_attention(
