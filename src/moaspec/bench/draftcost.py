@@ -100,8 +100,7 @@ def _moa_step_bytes(drafter: Any) -> int:
     sa, ca = drafter.sa.kernels(), drafter.ca.kernels()
     lins = [sa.qkv, sa.o, sa.gate_up, sa.down, ca.q, ca.o, ca.gate_up, ca.down, drafter._fast_head]
     for layer in drafter.tli:
-        lay = layer.layer
-        lins += [lay.q, lay.k, lay.v, lay.o, lay.gate, lay.up, lay.down]
+        lins += layer.layer.linears()
     return sum(lin.nbytes() for lin in lins)
 
 

@@ -338,7 +338,7 @@ template <int RT>
 void f16_rows(const float* x, int64_t r0, const uint16_t* w, int64_t K, int64_t n0, int64_t n1, int64_t N,
               const float* bias, float* y) {
   // several channels a tile where few rows leave registers free: fewer calls and reductions per byte
-  constexpr int NC = RT <= 2 ? 2 : 1;
+  constexpr int NC = 1;
   float out[NC * RT];
   int64_t n = n0;
   auto store = [&](int nc) {
