@@ -3,6 +3,7 @@ logits against fp32 within stated bounds, speculative = plain in each mode, and 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -14,6 +15,7 @@ from prompts import PROMPTS
 
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.tree import TreeConfig
+from moaspec.errors import UserError
 from moaspec.models import linear, quant
 from moaspec.models.linear import Linear
 from moaspec.models.runtime import Transformer
@@ -105,6 +107,39 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     tree[0, gathered] = True
     side_by_side = k.attention(q1, keys[:, gathered].contiguous(), values[:, gathered].contiguous(), 24, None, 0.125)
     assert torch.equal(k.attention(q1, keys, values, 40, tree, 0.125), side_by_side)
+
+
+def test_fp16_layers_take_the_kernel_this_machine_measured(monkeypatch, tmp_path):
+    """The few-row kernel or fbgemm for fp16 layers of 1-8 rows: measured once, saved with its numbers,
+    overridable, and whichever is taken scores a row alike at every row count (fbgemm only where its rows
+    proved independent)."""
+    monkeypatch.setenv("MOASPEC_HOME", str(tmp_path))
+    monkeypatch.delenv("MOASPEC_F16_KERNEL", raising=False)
+    quant.f16_few_rows.cache_clear()
+    try:
+        chosen = quant.f16_few_rows()
+        (entry,) = json.loads((tmp_path / "kernel_choice.json").read_text()).values()
+        assert entry["few_rows"] == chosen and entry["few_ms"] > 0 and entry["fbgemm_ms"] > 0
+        assert chosen == (entry["few_ms"] <= entry["fbgemm_ms"] or not entry["fbgemm_row_invariant"])
+        torch.manual_seed(3)
+        layer = Linear(torch.randn(96, 4864) * 0.02, torch.randn(96), "fp16")
+        assert layer.few_rows == chosen
+        x = torch.randn(8, 4864)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(8)])
+        for rows in range(2, 9):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+        layer.set_few_rows(not chosen)  # the other kernel computes the same product
+        assert torch.allclose(layer(x), alone, atol=1e-4)
+        for forced, few in (("few", True), ("fbgemm", False)):
+            monkeypatch.setenv("MOASPEC_F16_KERNEL", forced)
+            quant.f16_few_rows.cache_clear()
+            assert quant.f16_few_rows() is few and Linear(torch.randn(8, 64), None, "fp16").few_rows is few
+        monkeypatch.setenv("MOASPEC_F16_KERNEL", "fast")
+        quant.f16_few_rows.cache_clear()
+        with pytest.raises(UserError, match="MOASPEC_F16_KERNEL"):
+            quant.f16_few_rows()
+    finally:
+        quant.f16_few_rows.cache_clear()
 
 
 def test_quantisers_round_trip():

@@ -173,6 +173,8 @@ class SpecDecoder:
         key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
         if self.target.kernels is not None:  # the compiled kernels run: new kernels, new costs
             key += f"|{quant.source_tag()}"
+            if self.target.weights == "fp16":
+                key += "|few-row" if quant.f16_few_rows() else "|fbgemm"
         path = cache_dir() / "calibration.json"
         try:
             known = json.loads(path.read_text())

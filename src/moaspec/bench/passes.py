@@ -1,5 +1,7 @@
-"""What a target pass over k rows costs with the compiled few-row kernels and without them (fbgemm's
-fp16 layers and SDPA), interleaved in one process on one copy of the weights, so machine drift cancels.
+"""What a target pass over k rows costs with each choice of kernels for 1-8 rows: fbgemm's fp16 layers
+and SDPA (no compiler), the compiled few-row fp16 layers or fbgemm's, each with the row-invariant
+attention; interleaved in one process on one copy of the weights, so machine drift cancels. The runtime
+picks the layers per machine (`quant.f16_few_rows`); this shows what that choice is worth.
 
 Verification scores a draft of k tokens in one pass; speculative decoding pays off only if that pass
 costs little more than a one-row decode step.
@@ -16,31 +18,38 @@ import time
 import torch
 
 from moaspec.decoding.tree import Tree
+from moaspec.models import quant
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve
 
+KERNELS = {  # label: (few-row fp16 layers, row-invariant attention)
+    "fbgemm + SDPA": (False, False),
+    "few-row + row-invariant attention": (True, True),
+    "fbgemm + row-invariant attention": (False, True),
+}
 
-def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dict[bool, dict[int, float]]:
-    """Median ms of a k-row chain pass after `context` cached tokens, kernels on and off."""
+
+def measure(model: Transformer, rows: list[int], context: int, reps: int) -> dict[str, dict[int, float]]:
+    """Median ms of a k-row chain pass after `context` cached tokens with each of `KERNELS`."""
     model.reset()
     model.forward(torch.zeros(context, dtype=torch.long))
     model.advance(context)
-    times: dict[bool, dict[int, list[float]]] = {on: {k: [] for k in rows} for on in (False, True)}
+    times: dict[str, dict[int, list[float]]] = {label: {k: [] for k in rows} for label in KERNELS}
     for rep in range(reps + 1):
         for k in rows:
             tree = Tree.chain(100, [101] * (k - 1))
-            for on in (False, True):
-                model.few_row_kernels(on)
+            for label, (layers, attention) in KERNELS.items():
+                model.few_row_kernels(layers, attention)
                 t = time.perf_counter()
                 if k == 1:  # as `LocalTarget.verify` runs a decode step: no mask
                     model.forward(torch.tensor(tree.tokens))
                 else:
                     model.forward(torch.tensor(tree.tokens), positions=tree.positions(context), tree_mask=tree.mask())
                 if rep:  # the first round warms up
-                    times[on][k].append((time.perf_counter() - t) * 1e3)
-    model.few_row_kernels(True)
+                    times[label][k].append((time.perf_counter() - t) * 1e3)
+    model.few_row_kernels()
     model.reset()
-    return {on: {k: statistics.median(v) for k, v in d.items()} for on, d in times.items()}
+    return {label: {k: statistics.median(v) for k, v in d.items()} for label, d in times.items()}
 
 
 def main() -> None:
@@ -59,13 +68,14 @@ def main() -> None:
     model.warmup()
     rows = [int(r) for r in a.rows.split(",")]
     res = measure(model, rows, a.context, a.reps)
-    base = res[False][rows[0]]
+    base = res["fbgemm + SDPA"][rows[0]]
+    chosen = "few-row" if quant.f16_few_rows() else "fbgemm"
     print(f"{a.model} fp16, {a.context} cached tokens, {torch.get_num_threads()} threads; ms per pass "
-          f"(x a {rows[0]}-row pass without the kernels)")
+          f"(x a {rows[0]}-row pass with fbgemm + SDPA); this machine's runtime uses {chosen} layers")
     print("| kernels | " + " | ".join(f"k={k}" for k in rows) + " |")
     print("|---|" + "---|" * len(rows))
-    for on, label in ((False, "fbgemm + SDPA"), (True, "few-row + row-invariant attention")):
-        print(f"| {label} | " + " | ".join(f"{res[on][k]:.1f} ({res[on][k] / base:.2f})" for k in rows) + " |")
+    for label, ms in res.items():
+        print(f"| {label} | " + " | ".join(f"{ms[k]:.1f} ({ms[k] / base:.2f})" for k in rows) + " |")
 
 
 if __name__ == "__main__":

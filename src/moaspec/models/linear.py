@@ -43,7 +43,7 @@ class Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.cpu = weight.device.type == "cpu"
         self.weight = self.packed = self.q = self.w16 = None
-        self.few_rows = True  # use the few-row fp16 kernel where there is one (off: fbgemm only, to compare)
+        self.few_rows = False  # fp16: 1-8 rows through `linear_f16` rather than fbgemm (`set_few_rows`)
         if mode in QUANTISED:
             mode = self.mode = runnable_mode(mode, weight.device, self.in_features)
         if mode in QUANTISED:
@@ -61,8 +61,7 @@ class Linear:
         elif mode == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), self.bias)
             self.kernels = quant.kernels_or_none()
-            # a second copy of the weights in fp16 for the few-row kernel (fbgemm's packing is opaque)
-            self.w16 = weight.half().contiguous() if self.kernels is not None and self.in_features % 8 == 0 else None
+            self.set_few_rows(self.kernels is not None and quant.f16_few_rows())
         else:
             self.weight = weight.float().contiguous()
 
@@ -71,7 +70,7 @@ class Linear:
         if not self.cpu:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
         if self.packed is not None:
-            if n <= FEW_ROWS and self.w16 is not None and self.few_rows:
+            if n <= FEW_ROWS and self.few_rows:
                 return self.kernels.linear_f16(x.float().contiguous(), self.w16, self.bias)
             return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
         if self.q is not None:
@@ -86,6 +85,16 @@ class Linear:
         else:
             y = self._small(x)
         return y if self.bias is None else y + self.bias
+
+    def set_few_rows(self, on: bool) -> None:
+        """fp16 on a CPU with the compiled kernels: run 1-8 rows through `linear_f16` (on) or fbgemm (off).
+        `linear_f16` needs its own fp16 copy of the weights (fbgemm's packing is opaque), made when first
+        switched on: where the machine chose fbgemm (`quant.f16_few_rows`) the layer keeps one copy."""
+        if self.packed is None or self.kernels is None or self.in_features % 8:
+            return
+        if on and self.w16 is None:
+            self.w16 = torch.ops.quantized.linear_unpack_fp16(self.packed)[0].half().contiguous()
+        self.few_rows = on
 
     def _small(self, x: torch.Tensor) -> torch.Tensor:
         """(W @ x.T).T for 1-16 rows, padded to MKL's fast row counts (1 -> 2, 9-15 -> 16)."""

@@ -236,17 +236,21 @@ class Transformer:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # Last-bit differences between a 1-row step and a k-row verification can turn into different
         # tokens (quantised activations often do); on the CPU the few-row layers and the attention of
-        # `qgemm.cpp` compute each row alone, so both score a token alike. fp16 without a compiler keeps
+        # `qgemm.cpp` compute each row alone, so both score a token alike (fbgemm's fp16 layers are used
+        # only where they measure faster and their rows prove independent). fp16 without a compiler keeps
         # fbgemm and SDPA.
         self.kernels = quant.kernels_or_none() if self.device.type == "cpu" and weights != "fp32" else None
-        self.few_row_kernels(True)
+        self.few_row_kernels()
 
-    def few_row_kernels(self, on: bool = True) -> None:
-        """Switch the compiled few-row fp16 layers and row-invariant attention on (where they built) or
-        off (fbgemm and SDPA, as without a compiler): what `bench.passes` compares."""
+    def few_row_kernels(self, layers: bool | None = None, attention: bool = True) -> None:
+        """Choose the kernels of passes of 1-8 rows (where the compiled ones built): fp16 layers through
+        the few-row kernel (True), fbgemm (False) or as this machine measured (None,
+        `quant.f16_few_rows`); the row-invariant attention (True) or SDPA. `bench.passes` compares them."""
+        few = self.weights == "fp16" and self.kernels is not None
+        on = few and (quant.f16_few_rows() if layers is None else layers)
         for lin in [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]:
-            lin.few_rows = on
-        self.row_invariant = on and self.kernels is not None and self.cfg.head_dim % 8 == 0 \
+            lin.set_few_rows(on)
+        self.row_invariant = attention and self.kernels is not None and self.cfg.head_dim % 8 == 0 \
             and self.cfg.head_dim <= 256
 
     def new_cache(self, size: int | None = None) -> KVCache:
