@@ -109,37 +109,36 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     assert torch.equal(k.attention(q1, keys, values, 40, tree, 0.125), side_by_side)
 
 
-def test_fp16_layers_take_the_kernel_this_machine_measured(monkeypatch, tmp_path):
-    """The few-row kernel or fbgemm for fp16 layers of 1-8 rows: measured once, saved with its numbers,
-    overridable, and whichever is taken scores a row alike at every row count (fbgemm only where its rows
-    proved independent)."""
+def test_fp16_layers_take_the_kernel_this_machine_measured(monkeypatch, tmp_path, smol_folder):
+    """The few-row kernel or fbgemm for a model's fp16 layers of 1-8 rows: measured once, saved with its
+    numbers, overridable; whichever is taken, a 4-row pass scores each row exactly as 1-row steps do."""
     monkeypatch.setenv("MOASPEC_HOME", str(tmp_path))
     monkeypatch.delenv("MOASPEC_F16_KERNEL", raising=False)
-    quant.f16_few_rows.cache_clear()
-    try:
-        chosen = quant.f16_few_rows()
-        (entry,) = json.loads((tmp_path / "kernel_choice.json").read_text()).values()
-        assert entry["few_rows"] == chosen and entry["few_ms"] > 0 and entry["fbgemm_ms"] > 0
-        assert chosen == (entry["few_ms"] <= entry["fbgemm_ms"] or not entry["fbgemm_row_invariant"])
-        torch.manual_seed(3)
-        layer = Linear(torch.randn(96, 4864) * 0.02, torch.randn(96), "fp16")
-        assert layer.few_rows == chosen
-        x = torch.randn(8, 4864)
-        alone = torch.cat([layer(x[i:i + 1]) for i in range(8)])
-        for rows in range(2, 9):
-            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-        layer.set_few_rows(not chosen)  # the other kernel computes the same product
-        assert torch.allclose(layer(x), alone, atol=1e-4)
-        for forced, few in (("few", True), ("fbgemm", False)):
-            monkeypatch.setenv("MOASPEC_F16_KERNEL", forced)
-            quant.f16_few_rows.cache_clear()
-            assert quant.f16_few_rows() is few and Linear(torch.randn(8, 64), None, "fp16").few_rows is few
-        monkeypatch.setenv("MOASPEC_F16_KERNEL", "fast")
-        quant.f16_few_rows.cache_clear()
-        with pytest.raises(UserError, match="MOASPEC_F16_KERNEL"):
-            quant.f16_few_rows()
-    finally:
-        quant.f16_few_rows.cache_clear()
+    model = Transformer(smol_folder, weights="fp16", max_seq_len=256)
+    (entry,) = json.loads((tmp_path / "kernel_choice.json").read_text()).values()
+    lins = [model.lm_head, *(lin for layer in model.layers for lin in layer.linears())]
+    assert {lin.few_rows for lin in lins} == {entry["few_rows"]}
+    if entry["fbgemm_rows_independent"]:
+        assert entry["few_rows"] == (sum(entry["few_row_ms"].values()) <= sum(entry["fbgemm_ms"].values()))
+        assert entry["few_rows"] or all(lin.w16 is None for lin in lins)  # fbgemm alone: one weight copy
+    else:
+        assert entry["few_rows"]
+    tokens = torch.tensor([9, 521, 33, 1004, 77, 2048])
+    model.forward(tokens[:2])
+    model.advance(2)
+    chain = model.forward(tokens[2:]).logits
+    steps = []
+    for t in tokens[2:]:
+        steps.append(model.forward(t[None]).logits[0])
+        model.advance(1)
+    assert torch.equal(chain, torch.stack(steps))
+    for forced, few in (("few", True), ("fbgemm", False)):
+        monkeypatch.setenv("MOASPEC_F16_KERNEL", forced)
+        model.few_row_kernels()
+        assert {lin.few_rows for lin in lins} == {few}
+    monkeypatch.setenv("MOASPEC_F16_KERNEL", "fast")
+    with pytest.raises(UserError, match="MOASPEC_F16_KERNEL"):
+        model.few_row_kernels()
 
 
 def test_quantisers_round_trip():

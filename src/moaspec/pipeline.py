@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -26,7 +24,14 @@ from moaspec.models import quant
 from moaspec.models.linear import WeightMode
 from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Transformer
-from moaspec.models.store import cache_dir, chat_ids, load_tokenizer, resolve, weights_fingerprint
+from moaspec.models.store import (
+    chat_ids,
+    load_tokenizer,
+    read_measurements,
+    resolve,
+    save_measurements,
+    weights_fingerprint,
+)
 from moaspec.threads import set_threads
 
 if TYPE_CHECKING:
@@ -173,14 +178,10 @@ class SpecDecoder:
         key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
         if self.target.kernels is not None:  # the compiled kernels run: new kernels, new costs
             key += f"|{quant.source_tag()}"
-            if self.target.weights == "fp16":
-                key += "|few-row" if quant.f16_few_rows() else "|fbgemm"
-        path = cache_dir() / "calibration.json"
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}
-        known = known if isinstance(known, dict) else {}
+            if self.target.weights == "fp16":  # which layers the machine gave the few-row kernel
+                key += "|" + "".join(
+                    "f" if lin.few_rows else "b" for lin in [*self.target.layers[0].linears(), self.target.lm_head])
+        known = read_measurements("calibration.json")
         try:
             return plausible_costs({int(k): float(v) for k, v in known[key].items()})
         except (KeyError, AttributeError, TypeError, ValueError):
@@ -191,10 +192,7 @@ class SpecDecoder:
                 known[key] = plausible_costs(costs)
             except ValueError:  # disturbed by other load: measure again, and never cache it
                 continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            tmp.replace(path)
+            save_measurements("calibration.json", known)
             return costs
         return plausible_costs(costs, clamp=True)
 

@@ -1,7 +1,7 @@
 """What a target pass over k rows costs with each choice of kernels for 1-8 rows: fbgemm's fp16 layers
 and SDPA (no compiler), the compiled few-row fp16 layers or fbgemm's, each with the row-invariant
 attention; interleaved in one process on one copy of the weights, so machine drift cancels. The runtime
-picks the layers per machine (`quant.f16_few_rows`); this shows what that choice is worth.
+picks the layers per model and machine (`Transformer.few_row_choice`); this shows what it is worth.
 
 Verification scores a draft of k tokens in one pass; speculative decoding pays off only if that pass
 costs little more than a one-row decode step.
@@ -18,7 +18,6 @@ import time
 import torch
 
 from moaspec.decoding.tree import Tree
-from moaspec.models import quant
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve
 
@@ -69,9 +68,9 @@ def main() -> None:
     rows = [int(r) for r in a.rows.split(",")]
     res = measure(model, rows, a.context, a.reps)
     base = res["fbgemm + SDPA"][rows[0]]
-    chosen = "few-row" if quant.f16_few_rows() else "fbgemm"
+    chosen = "few-row" if model.few_row_choice() else "fbgemm"
     print(f"{a.model} fp16, {a.context} cached tokens, {torch.get_num_threads()} threads; ms per pass "
-          f"(x a {rows[0]}-row pass with fbgemm + SDPA); this machine's runtime uses {chosen} layers")
+          f"(x a {rows[0]}-row pass with fbgemm + SDPA); the runtime runs {chosen} layers here")
     print("| kernels | " + " | ".join(f"k={k}" for k in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for label, ms in res.items():

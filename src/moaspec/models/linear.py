@@ -6,8 +6,10 @@ fastest, with the row count padded where MKL is slow: 1 row runs as 2 (Qwen 0.5B
 -> 80 ms, the 2-row kernel reaches ~28 GB/s where gemv does not), 9-15 rows as 16. Prefill-sized
 inputs use `F.linear`. The `fp16` weight mode uses fbgemm's prepacked fp16 kernel (fp32 accumulation),
 about 2x faster at every row count, and up to `FEW_ROWS` rows the compiled kernel of `quant.py` where it
-builds: it converts each weight once for all rows, so a 2-6 row verification costs little more than a
-decode step, and its rows are independent of each other (fbgemm's are not). (Dynamic int8 was tried:
+builds and measures faster (`Transformer.few_row_kernels`): it converts each weight once for all rows, so on a
+Zen 2 VM a 2-6 row verification costs little more than a decode step, while on a Zen 4 VM with AVX-512
+fbgemm streams 2-4 rows faster. Either way a row's bits must not depend on the rows beside it; the
+choice checks that of fbgemm before taking it. (Dynamic int8 was tried:
 per-tensor activation quantisation breaks on these models' outlier activations, logits off by >10.)
 The `int8` and `int4` modes store quantised weights and multiply them with the compiled kernels of
 `quant.py` (activations quantised per block of 32 values); `int4` groups 32 inputs per scale and
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 # At 5-8 rows, very tall matrices (an LM head) are multiplied 4 rows at a time: MKL's 5-8 row kernel is
 # slow there (Qwen 0.5B head, 8 rows: 52 ms in one call, 41 ms in two calls of 4).
 TALL = 32768
-FEW_ROWS = 8  # up to this many rows, fp16 layers run `linear_f16` (beyond, fbgemm's blocked kernel is faster)
+FEW_ROWS = 8  # up to this many rows, fp16 layers may run `linear_f16` (beyond, fbgemm's blocked kernel is faster)
 
 
 class Linear:
@@ -61,7 +63,8 @@ class Linear:
         elif mode == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), self.bias)
             self.kernels = quant.kernels_or_none()
-            self.set_few_rows(self.kernels is not None and quant.f16_few_rows())
+            forced = quant.f16_override()
+            self.set_few_rows(True if forced is None else forced)  # a `Transformer` measures its own choice
         else:
             self.weight = weight.float().contiguous()
 
@@ -86,14 +89,16 @@ class Linear:
             y = self._small(x)
         return y if self.bias is None else y + self.bias
 
-    def set_few_rows(self, on: bool) -> None:
-        """fp16 on a CPU with the compiled kernels: run 1-8 rows through `linear_f16` (on) or fbgemm (off).
-        `linear_f16` needs its own fp16 copy of the weights (fbgemm's packing is opaque), made when first
-        switched on: where the machine chose fbgemm (`quant.f16_few_rows`) the layer keeps one copy."""
+    def set_few_rows(self, on: bool, keep_copy: bool = True) -> None:
+        """fp16 on a CPU with the compiled kernels: run 1-8 rows through `linear_f16` (True) or fbgemm
+        (False). `linear_f16` needs its own fp16 copy of the weights (fbgemm's packing is opaque), made
+        when switched on; switched off without `keep_copy`, the layer drops it and holds one copy."""
         if self.packed is None or self.kernels is None or self.in_features % 8:
             return
         if on and self.w16 is None:
             self.w16 = torch.ops.quantized.linear_unpack_fp16(self.packed)[0].half().contiguous()
+        if not on and not keep_copy:
+            self.w16 = None
         self.few_rows = on
 
     def _small(self, x: torch.Tensor) -> torch.Tensor:

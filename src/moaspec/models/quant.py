@@ -15,12 +15,10 @@ under the model cache and rebuilt when the source, torch or the CPU changes. Whe
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import platform
 import shutil
-import time
 from functools import cache
 from pathlib import Path
 
@@ -99,99 +97,25 @@ def kernels_or_none():
         return None
 
 
-# Shapes that stand for a decoder layer's matrices (wide: q|k|v, gate|up; tall: down), rows a decode step,
-# a chain and a small tree score at once.
-_PROBE_SHAPES = ((4864, 896), (896, 4864))
-_PROBE_ROWS = (1, 2, 3, 4)
-
-
-@cache
-def f16_few_rows() -> bool:
-    """Whether fp16 layers of 1-8 rows run `linear_f16` (True) or fbgemm's prepacked kernel (False) on
-    this machine: whichever streams a decode step and a 2-4 row verification faster, measured once (under
-    a second) and cached per CPU, thread count and kernel source. On a 2-core Zen 2 VM the few-row kernel
-    wins (it converts each weight once for all rows); on a Zen 4 VM with AVX-512 fbgemm does (a Qwen 0.5B
-    2-row pass 28.6 vs 46.0 ms). fbgemm is taken only where its rows prove independent of each other
-    (row r of a k-row product bit-identical to the same row alone), so that a k-row verification scores
-    a token exactly as a decode step does. `MOASPEC_F16_KERNEL=few|fbgemm` overrides the measurement."""
-    forced = os.environ.get("MOASPEC_F16_KERNEL")
-    if forced not in (None, "", "few", "fbgemm"):
+def f16_override() -> bool | None:
+    """`MOASPEC_F16_KERNEL=few|fbgemm`: fp16 layers of 1-8 rows through the few-row kernel or fbgemm,
+    whatever the runtime measured (`Transformer.few_row_kernels`); None when unset."""
+    forced = os.environ.get("MOASPEC_F16_KERNEL", "")
+    if forced not in ("", "few", "fbgemm"):
         raise UserError(f"MOASPEC_F16_KERNEL must be 'few' or 'fbgemm', not {forced!r}")
-    ext = kernels_or_none()
-    if ext is None:
-        return False
-    if forced:
-        return forced == "few"
-    from moaspec.models.store import cache_dir
-
-    key = "|".join([source_tag(), torch.__version__, _cpu_model(), str(torch.get_num_threads())])
-    path = cache_dir() / "kernel_choice.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    entry = known.get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("few_rows"), bool):
-        return entry["few_rows"]
-    few_ms, fbgemm_ms, invariant = _probe_f16(ext)
-    choice = few_ms <= fbgemm_ms or not invariant
-    known[key] = {"few_rows": choice, "few_ms": round(few_ms, 3), "fbgemm_ms": round(fbgemm_ms, 3),
-                  "fbgemm_row_invariant": invariant}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(path)
-    except OSError as e:  # a read-only cache: measure again next time
-        log.warning("could not save the fp16 kernel choice to %s: %s", path, e)
-    log.info("fp16 layers of 1-8 rows: %s (few-row %.2f ms, fbgemm %.2f ms, fbgemm rows independent: %s)",
-             "few-row kernel" if choice else "fbgemm", few_ms, fbgemm_ms, invariant)
-    return choice
+    return None if not forced else forced == "few"
 
 
-def _cpu_model() -> str:
+def machine_key() -> str:
+    """What a measurement of the kernels depends on: their source, torch, the CPU and the thread count."""
+    cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({len(cpu_flags())} flags)"
-    except OSError:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
-    return platform.processor() or platform.machine()
-
-
-def _probe_f16(ext) -> tuple[float, float, bool]:
-    """(few-row ms, fbgemm ms) summed over `_PROBE_SHAPES` x `_PROBE_ROWS`, each a pass over copies
-    that outgrow the caches, best of 4 interleaved rounds; and whether fbgemm's rows are independent."""
-    gen = torch.Generator().manual_seed(0)
-    few_ms = fbgemm_ms = 0.0
-    invariant = True
-    for out, inp in _PROBE_SHAPES:
-        w = torch.randn(out, inp, generator=gen) * 0.02
-        x = torch.randn(8, inp, generator=gen)
-        copies = max(2, (96 << 20) // (out * inp * 2))
-        w16 = [w.half() for _ in range(copies)]
-        packed = [torch.ops.quantized.linear_prepack_fp16(h.float(), None) for h in w16]
-        alone = [torch.ops.quantized.linear_dynamic_fp16(x[r:r + 1], packed[0]) for r in range(8)]
-        for n in range(2, 9):
-            y = torch.ops.quantized.linear_dynamic_fp16(x[:n].contiguous(), packed[0])
-            invariant &= all(torch.equal(y[r], alone[r][0]) for r in range(n))
-        best: dict[tuple[str, int], float] = {}
-        for _ in range(4):
-            for rows in _PROBE_ROWS:
-                xs = x[:rows].contiguous()
-                for kind in ("few", "fbgemm"):
-                    t = time.perf_counter()
-                    for i in range(copies):
-                        if kind == "few":
-                            ext.linear_f16(xs, w16[i], None)
-                        else:
-                            torch.ops.quantized.linear_dynamic_fp16(xs, packed[i])
-                    ms = (time.perf_counter() - t) * 1e3 / copies
-                    best[kind, rows] = min(best.get((kind, rows), ms), ms)
-        few_ms += sum(v for (kind, _), v in best.items() if kind == "few")
-        fbgemm_ms += sum(v for (kind, _), v in best.items() if kind == "fbgemm")
-    return few_ms, fbgemm_ms, invariant
+    threads = torch.get_num_threads()
+    return f"{source_tag()}|torch {torch.__version__}|{cpu} ({len(cpu_flags())} flags)|{threads} threads"
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

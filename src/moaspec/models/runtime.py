@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,14 +245,76 @@ class Transformer:
 
     def few_row_kernels(self, layers: bool | None = None, attention: bool = True) -> None:
         """Choose the kernels of passes of 1-8 rows (where the compiled ones built): fp16 layers through
-        the few-row kernel (True), fbgemm (False) or as this machine measured (None,
-        `quant.f16_few_rows`); the row-invariant attention (True) or SDPA. `bench.passes` compares them."""
-        few = self.weights == "fp16" and self.kernels is not None
-        on = few and (quant.f16_few_rows() if layers is None else layers)
-        for lin in [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]:
-            lin.set_few_rows(on)
+        the few-row kernel (True), fbgemm (False) or whichever this machine measured faster for this
+        model (None: `few_row_choice`); the row-invariant attention (True) or SDPA. `bench.passes`
+        compares them."""
         self.row_invariant = attention and self.kernels is not None and self.cfg.head_dim % 8 == 0 \
             and self.cfg.head_dim <= 256
+        lins = [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]
+        if self.weights != "fp16" or self.kernels is None:
+            return
+        chosen = layers is None
+        if chosen:
+            layers = self.few_row_choice()
+        for lin in lins:
+            lin.set_few_rows(layers, keep_copy=not chosen)
+
+    def few_row_choice(self) -> bool:
+        """Whether this model's fp16 layers run 1-8 rows faster through the few-row kernel than through
+        fbgemm's, measured once per model and machine (`quant.machine_key`; ~1-2 s of interleaved 1-4 row
+        passes) and cached in kernel_choice.json. On a 2-core Zen 2 VM the few-row kernel won (it
+        converts each weight once for all rows); on a Zen 4 VM with AVX-512 fbgemm streams Qwen 0.5B's
+        2-4 row passes faster, the few-row kernel SmolLM2's. fbgemm is taken only where its rows prove
+        independent (each row of an 8-row product bit-identical to that row alone, in every layer), so a
+        k-row verification scores a token exactly as a decode step does. `MOASPEC_F16_KERNEL` overrides."""
+        forced = quant.f16_override()
+        if forced is not None:
+            return forced
+        from moaspec.models.store import read_measurements, save_measurements
+
+        key = f"{quant.machine_key()}|{self.folder.name}|{self.cfg.num_layers}x{self.cfg.hidden_size}"
+        known = read_measurements("kernel_choice.json")
+        entry = known.get(key)
+        if isinstance(entry, dict) and isinstance(entry.get("few_rows"), bool):
+            return entry["few_rows"]
+        known[key] = entry = self._time_few_rows()
+        save_measurements("kernel_choice.json", known)
+        return entry["few_rows"]
+
+    def _time_few_rows(self, ks: tuple[int, ...] = (1, 2, 3, 4), reps: int = 4) -> dict:
+        """Best ms of 1-4 row passes after 128 cached tokens with each kind of fp16 layer (interleaved,
+        on a scratch cache), and whether fbgemm's rows are independent in every layer."""
+        lins = [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]
+        for lin in lins:
+            lin.set_few_rows(False)
+        gen = torch.Generator().manual_seed(0)
+        independent = True
+        for lin in {(lin.out_features, lin.in_features): lin for lin in lins}.values():
+            x = torch.randn(8, lin.in_features, generator=gen)
+            rows = lin(x)
+            independent &= all(torch.equal(lin(x[r:r + 1])[0], rows[r]) for r in range(8))
+        entry: dict = {"fbgemm_rows_independent": independent}
+        if not independent:
+            entry["few_rows"] = True
+            return entry
+        cache = self.new_cache(min(self.max_seq_len, 128 + max(ks)))
+        self.forward(torch.zeros(128, dtype=torch.long, device=self.device), cache=cache)
+        cache.advance(128)
+        best: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        for rep in range(reps + 1):
+            for k in ks:
+                for few in (True, False):
+                    for lin in lins:
+                        lin.set_few_rows(few)
+                    t = time.perf_counter()
+                    self.forward(torch.full((k,), 100, dtype=torch.long, device=self.device), cache=cache)
+                    ms = (time.perf_counter() - t) * 1e3
+                    if rep:  # round 0 warms up
+                        best[few][k] = min(best[few].get(k, ms), ms)
+        entry["few_row_ms"] = {k: round(v, 2) for k, v in best[True].items()}
+        entry["fbgemm_ms"] = {k: round(v, 2) for k, v in best[False].items()}
+        entry["few_rows"] = sum(best[True].values()) <= sum(best[False].values())
+        return entry
 
     def new_cache(self, size: int | None = None) -> KVCache:
         """A cache of `size` slots (default: the model's context) for one more session."""
@@ -396,8 +459,6 @@ class Transformer:
                    reps: int = 5) -> dict[int, float]:
         """Milliseconds of one pass over k new rows after `context` cached tokens: what
         verifying a k-row draft tree costs on this machine. Leaves the cache empty."""
-        import time
-
         self.reset()
         ks = tuple(k for k in ks if context + k <= self.max_seq_len)
         self.forward(torch.zeros(context, dtype=torch.long, device=self.device))

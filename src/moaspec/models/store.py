@@ -131,6 +131,28 @@ def cache_dir() -> Path:
     return Path(home).expanduser() if home else Path.home() / ".cache" / "moaspec"
 
 
+def read_measurements(name: str) -> dict:
+    """A JSON dict of this machine's measurements in the cache folder ({} where missing or unreadable)."""
+    try:
+        known = json.loads((cache_dir() / name).read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def save_measurements(name: str, known: dict) -> None:
+    """Write it aside and move it into place, so a reader never sees half a file; a read-only cache
+    only means measuring again next time."""
+    path = cache_dir() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def _models_root() -> Path:
     return cache_dir() / "models"
 
