@@ -442,6 +442,10 @@ def test_disturbed_calibration_is_measured_again_and_never_cached(dec_none, tmp_
     assert plausible_costs({1: 10.0, 2: 10.0, 4: 11.0, 8: 20.0}) == {1: 10.0, 2: 10.0, 4: 11.0, 8: 20.0}
     with pytest.raises(ValueError, match="implausible"):
         plausible_costs(disturbed)
+    slow_single = {1: 79.9, 2: 60.3, 4: 74.1, 8: 133.1}  # a 1-row pass cannot cost more than a 2-row one
+    with pytest.raises(ValueError, match="implausible"):
+        plausible_costs(slow_single)
+    assert plausible_costs(slow_single, clamp=True) == {1: 60.3, 2: 60.3, 4: 74.1, 8: 133.1}
 
 
 def _drive(chain: AdaptiveChain, calls: int, accept: float, step_ms: float = 1.0, pass_ms: float = 10.0) -> list[int]:
