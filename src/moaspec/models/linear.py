@@ -6,10 +6,11 @@ fastest, with the row count padded where MKL is slow: 1 row runs as 2 (Qwen 0.5B
 -> 80 ms, the 2-row kernel reaches ~28 GB/s where gemv does not), 9-15 rows as 16. Prefill-sized
 inputs use `F.linear`. The `fp16` weight mode uses fbgemm's prepacked fp16 kernel (fp32 accumulation),
 about 2x faster at every row count, and up to `FEW_ROWS` rows the compiled kernel of `quant.py` where it
-builds and measures faster (`Transformer.few_row_kernels`): it converts each weight once for all rows, so on a
-Zen 2 VM a 2-6 row verification costs little more than a decode step, while on a Zen 4 VM with AVX-512
-fbgemm streams 2-4 rows faster. Either way a row's bits must not depend on the rows beside it; the
-choice checks that of fbgemm before taking it. (Dynamic int8 was tried:
+builds and, for a model's layers, measures faster (`Transformer.few_row_choice`): it converts each
+weight once for all rows, so on a Zen 2 VM a 2-6 row verification costs little more than a decode step,
+while on a Zen 4 VM with AVX-512 fbgemm streams Qwen 0.5B's 2-4 rows faster. Either way a row's bits
+must not depend on the rows beside it; the choice checks that of fbgemm before taking it. (Dynamic int8
+was tried:
 per-tensor activation quantisation breaks on these models' outlier activations, logits off by >10.)
 The `int8` and `int4` modes store quantised weights and multiply them with the compiled kernels of
 `quant.py` (activations quantised per block of 32 values); `int4` groups 32 inputs per scale and

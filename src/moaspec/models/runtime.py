@@ -250,13 +250,12 @@ class Transformer:
         compares them."""
         self.row_invariant = attention and self.kernels is not None and self.cfg.head_dim % 8 == 0 \
             and self.cfg.head_dim <= 256
-        lins = [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]
         if self.weights != "fp16" or self.kernels is None:
             return
         chosen = layers is None
         if chosen:
             layers = self.few_row_choice()
-        for lin in lins:
+        for lin in [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]:
             lin.set_few_rows(layers, keep_copy=not chosen)
 
     def few_row_choice(self) -> bool:
@@ -265,7 +264,7 @@ class Transformer:
         passes) and cached in kernel_choice.json. On a 2-core Zen 2 VM the few-row kernel won (it
         converts each weight once for all rows); on a Zen 4 VM with AVX-512 fbgemm streams Qwen 0.5B's
         2-4 row passes faster, the few-row kernel SmolLM2's. fbgemm is taken only where its rows prove
-        independent (each row of an 8-row product bit-identical to that row alone, in every layer), so a
+        independent (each row of an 8-row product bit-identical to that row alone, for every layer shape), so a
         k-row verification scores a token exactly as a decode step does. `MOASPEC_F16_KERNEL` overrides."""
         forced = quant.f16_override()
         if forced is not None:
@@ -283,7 +282,7 @@ class Transformer:
 
     def _time_few_rows(self, ks: tuple[int, ...] = (1, 2, 3, 4), reps: int = 4) -> dict:
         """Best ms of 1-4 row passes after 128 cached tokens with each kind of fp16 layer (interleaved,
-        on a scratch cache), and whether fbgemm's rows are independent in every layer."""
+        on a scratch cache), and whether fbgemm's rows are independent for every layer shape."""
         lins = [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]
         for lin in lins:
             lin.set_few_rows(False)
