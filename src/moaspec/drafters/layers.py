@@ -17,7 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from moaspec.models.linear import Linear
-from moaspec.models.runtime import Layer, ModelConfig, apply_rope, rms_norm, rope_tables
+from moaspec.models.runtime import (  # noqa: F401  (signed_sin: the drafters' and tests' name for it too)
+    Layer,
+    ModelConfig,
+    apply_rope,
+    rms_norm,
+    rms_norm_rows,
+    rope_rows,
+    rope_tables,
+    signed_sin,
+)
 
 
 def rope(theta: float, head_dim: int, length: int, device: torch.device | str | None = None):
@@ -108,17 +117,6 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """A RoPE sine table [..., d] with the rotate-half sign folded in: `rope_rows` needs no negation."""
-    half = sin.shape[-1] // 2
-    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
-
-
-def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` (HF rotate-half) as x * cos + roll(x, d/2) * signed_sin(sin): 3 ops instead of 6."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
-
-
 GROUPED_ROWS = 8  # up to this many query rows, `attend_rows` runs each KV head's query heads as one group
 
 
@@ -140,11 +138,6 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         mask = mask.repeat(r, 1)  # group row j * n + i is query row i
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     return out.view(B, Hkv, r, n, d).permute(0, 3, 1, 2, 4).reshape(B, n, H * d)
-
-
-def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm` with one temporary fewer (same operations in the same order, so the same rounding)."""
-    return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
 
 
 def _split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

@@ -83,6 +83,24 @@ def rope_tables(theta: float, head_dim: int, length: int, device: torch.device) 
     return emb.cos(), emb.sin()
 
 
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` with one temporary fewer (same operations in the same order, so the same rounding);
+    inference only (in-place on its own temporaries)."""
+    return (x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """A RoPE sine table [..., d] with the rotate-half sign folded in: `rope_rows` needs no negation."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` (HF rotate-half) as x * cos + roll(x, d/2) * signed_sin(sin): 4 ops instead of 7, and
+    the same rounding (the sign moved into the table is exact; no fused multiply-add)."""
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(sin_signed))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [heads, n, d]; cos/sin: [n, d] (HF's rotate-half convention)."""
     half = x.shape[-1] // 2
@@ -233,6 +251,7 @@ class Transformer:
         del w
         self.max_seq_len = min(max_seq_len, cfg.max_position)
         self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
+        self.sin_signed = signed_sin(self.sin)  # the decoding path's table (`rope_rows`)
         self.cache = self.new_cache()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # Last-bit differences between a 1-row step and a k-row verification can turn into different
@@ -360,7 +379,7 @@ class Transformer:
             raise ContextLengthError(f"context full: {start} + {n} tokens exceed the {cache.size}-token cache")
         if positions is None:
             positions = torch.arange(start, start + n, device=self.device)
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin_signed = self.cos[positions], self.sin_signed[positions]
         mask = None
         if n > 1 or tree_mask is not None:
             new = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
@@ -371,8 +390,8 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x
-            x = self.layer_forward(i, layer, x, cos, sin, mask, cache)
-        x = rms_norm(x, self.norm, self.cfg.rms_eps)
+            x = self.layer_forward(i, layer, x, cos, sin_signed, mask, cache)
+        x = rms_norm_rows(x, self.norm, self.cfg.rms_eps)
         if self.cfg.num_layers in hidden_layers:
             hidden[self.cfg.num_layers] = x
         rows = x if logits_rows is None else x[logits_rows]
@@ -385,19 +404,19 @@ class Transformer:
         layer: Layer,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin_signed: torch.Tensor,
         mask: torch.Tensor | None,
         cache: KVCache,
     ) -> torch.Tensor:
         cfg = self.cfg
         start = cache.length
         n = x.shape[0]
-        h = rms_norm(x, layer.ln1, cfg.rms_eps)
+        h = rms_norm_rows(x, layer.ln1, cfg.rms_eps)
         q, k, v = layer.project_qkv(h)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope_rows(q, cos, sin_signed), rope_rows(k, cos, sin_signed)
         end = start + n
         cache.k[i, :, start:end] = k
         cache.v[i, :, start:end] = v
@@ -411,8 +430,7 @@ class Transformer:
                 attn_mask=mask, scale=self.scale, enable_gqa=True,
             )[0]
         x = x + layer.o(att.transpose(0, 1).reshape(n, -1))
-        h = rms_norm(x, layer.ln2, cfg.rms_eps).contiguous()
-        return x + layer.mlp(h)
+        return x + layer.mlp(rms_norm_rows(x, layer.ln2, cfg.rms_eps))
 
     # ---------------------------------------------------------------- the model's own cache
     def advance(self, n: int) -> None:
