@@ -21,8 +21,8 @@ from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters import shipped_checkpoint
-from moaspec.drafters.layers import CrossAttentionLayer, DecoderLayer, KVCache, rope, signed_sin
-from moaspec.models.runtime import Transformer
+from moaspec.drafters.layers import CrossAttentionLayer, DecoderLayer, KVCache, rope
+from moaspec.models.runtime import Transformer, signed_sin
 from moaspec.models.store import weights_fingerprint
 
 FP16_LOGPROB_TOL = 0.05  # |log q| difference per token, fp16 against fp32 weights (seen: < 0.02)

@@ -116,7 +116,7 @@ def test_fp16_layers_take_the_kernel_this_machine_measured(monkeypatch, tmp_path
     monkeypatch.delenv("MOASPEC_F16_KERNEL", raising=False)
     model = Transformer(smol_folder, weights="fp16", max_seq_len=256)
     (entry,) = json.loads((tmp_path / "kernel_choice.json").read_text()).values()
-    lins = [model.lm_head, *(lin for layer in model.layers for lin in layer.linears())]
+    lins = model.linears()
     assert {lin.few_rows for lin in lins} == {entry["few_rows"]}
     if entry["fbgemm_rows_independent"]:
         assert entry["few_rows"] == (sum(entry["few_row_ms"].values()) <= sum(entry["fbgemm_ms"].values()))

@@ -186,9 +186,8 @@ class SpecDecoder:
         key = f"{self.folder.name}|{self.target.weights}|{self.target.device}|{torch.get_num_threads()}"
         if self.target.kernels is not None:  # the compiled kernels run: new kernels, new costs
             key += f"|{quant.source_tag()}"
-            if self.target.weights == "fp16":  # which layers the machine gave the few-row kernel
-                key += "|" + "".join(
-                    "f" if lin.few_rows else "b" for lin in [*self.target.layers[0].linears(), self.target.lm_head])
+            if self.target.weights == "fp16":  # the layer kernel this model was given on this machine
+                key += "|few-row" if any(lin.few_rows for lin in self.target.linears()) else "|fbgemm"
         known = read_measurements("calibration.json")
         try:
             return plausible_costs({int(k): float(v) for k, v in known[key].items()})

@@ -17,16 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moaspec.models.linear import Linear
-from moaspec.models.runtime import (  # noqa: F401  (signed_sin: the drafters' and tests' name for it too)
-    Layer,
-    ModelConfig,
-    apply_rope,
-    rms_norm,
-    rms_norm_rows,
-    rope_rows,
-    rope_tables,
-    signed_sin,
-)
+from moaspec.models.runtime import Layer, ModelConfig, apply_rope, rms_norm, rms_norm_rows, rope_rows, rope_tables
 
 
 def rope(theta: float, head_dim: int, length: int, device: torch.device | str | None = None):

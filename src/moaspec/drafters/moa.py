@@ -41,7 +41,6 @@ from moaspec.drafters.layers import (
     FrozenTargetLayer,
     KVCache,
     rope,
-    signed_sin,
 )
 from moaspec.drafters.trained import (
     TargetBoundConfig,
@@ -58,7 +57,7 @@ from moaspec.drafters.trained import (
 from moaspec.errors import UserError
 from moaspec.models.parts import TargetParts
 from moaspec.models.runtime import KVCache as TargetCache
-from moaspec.models.runtime import ModelConfig, Transformer, rms_norm
+from moaspec.models.runtime import ModelConfig, Transformer, rms_norm, signed_sin
 
 KIND = "moa"
 

@@ -10,8 +10,7 @@ builds and, for a model's layers, measures faster (`Transformer.few_row_choice`)
 weight once for all rows, so on a Zen 2 VM a 2-6 row verification costs little more than a decode step,
 while on a Zen 4 VM with AVX-512 fbgemm streams Qwen 0.5B's 2-4 rows faster. Either way a row's bits
 must not depend on the rows beside it; the choice checks that of fbgemm before taking it. (Dynamic int8
-was tried:
-per-tensor activation quantisation breaks on these models' outlier activations, logits off by >10.)
+was tried: per-tensor activation quantisation breaks on these models' outlier activations, logits off by >10.)
 The `int8` and `int4` modes store quantised weights and multiply them with the compiled kernels of
 `quant.py` (activations quantised per block of 32 values); `int4` groups 32 inputs per scale and
 offset unless the mode names another group (`int4-g64`, `int4-g128`).
@@ -64,8 +63,8 @@ class Linear:
         elif mode == "fp16":
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), self.bias)
             self.kernels = quant.kernels_or_none()
-            forced = quant.f16_override()
-            self.set_few_rows(True if forced is None else forced)  # a `Transformer` measures its own choice
+            forced = quant.f16_override()  # a `Transformer` measures its own choice
+            self.set_few_rows(True if forced is None else forced, weight=weight)
         else:
             self.weight = weight.float().contiguous()
 
@@ -90,14 +89,17 @@ class Linear:
             y = self._small(x)
         return y if self.bias is None else y + self.bias
 
-    def set_few_rows(self, on: bool, keep_copy: bool = True) -> None:
+    def set_few_rows(self, on: bool, keep_copy: bool = True, weight: torch.Tensor | None = None) -> None:
         """fp16 on a CPU with the compiled kernels: run 1-8 rows through `linear_f16` (True) or fbgemm
         (False). `linear_f16` needs its own fp16 copy of the weights (fbgemm's packing is opaque), made
-        when switched on; switched off without `keep_copy`, the layer drops it and holds one copy."""
+        when switched on (from `weight` where the caller has it, else unpacked from fbgemm's); switched
+        off without `keep_copy`, the layer drops it and holds one copy."""
         if self.packed is None or self.kernels is None or self.in_features % 8:
             return
         if on and self.w16 is None:
-            self.w16 = torch.ops.quantized.linear_unpack_fp16(self.packed)[0].half().contiguous()
+            if weight is None:
+                weight = torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
+            self.w16 = weight.half().contiguous()
         if not on and not keep_copy:
             self.w16 = None
         self.few_rows = on

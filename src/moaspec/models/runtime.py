@@ -274,8 +274,12 @@ class Transformer:
         chosen = layers is None
         if chosen:
             layers = self.few_row_choice()
-        for lin in [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]:
+        for lin in self.linears():
             lin.set_few_rows(layers, keep_copy=not chosen)
+
+    def linears(self) -> list[Linear]:
+        """Every weight kernel of the model: the LM head and each layer's (fused or not)."""
+        return [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]
 
     def few_row_choice(self) -> bool:
         """Whether this model's fp16 layers run 1-8 rows faster through the few-row kernel than through
@@ -302,7 +306,7 @@ class Transformer:
     def _time_few_rows(self, ks: tuple[int, ...] = (1, 2, 3, 4), reps: int = 4) -> dict:
         """Best ms of 1-4 row passes after 128 cached tokens with each kind of fp16 layer (interleaved,
         on a scratch cache), and whether fbgemm's rows are independent for every layer shape."""
-        lins = [self.lm_head, *(lin for layer in self.layers for lin in layer.linears())]
+        lins = self.linears()
         for lin in lins:
             lin.set_few_rows(False)
         gen = torch.Generator().manual_seed(0)
