@@ -304,8 +304,9 @@ class Transformer:
         return entry["few_rows"]
 
     def _time_few_rows(self, ks: tuple[int, ...] = (1, 2, 3, 4), reps: int = 4) -> dict:
-        """Best ms of 1-4 row passes after 128 cached tokens with each kind of fp16 layer (interleaved,
-        on a scratch cache), and whether fbgemm's rows are independent for every layer shape."""
+        """Best ms of 1-4 row passes after up to 128 cached tokens (what the context allows) with each kind
+        of fp16 layer (interleaved, on a scratch cache), and whether fbgemm's rows are independent for every
+        layer shape."""
         lins = self.linears()
         for lin in lins:
             lin.set_few_rows(False)
@@ -319,9 +320,12 @@ class Transformer:
         if not independent:
             entry["few_rows"] = True
             return entry
-        cache = self.new_cache(min(self.max_seq_len, 128 + max(ks)))
-        self.forward(torch.zeros(128, dtype=torch.long, device=self.device), cache=cache)
-        cache.advance(128)
+        ks = tuple(k for k in ks if k <= self.max_seq_len) or (1,)
+        context = min(128, self.max_seq_len - max(ks))
+        cache = self.new_cache(context + max(ks))
+        if context:
+            self.forward(torch.zeros(context, dtype=torch.long, device=self.device), cache=cache)
+            cache.advance(context)
         best: dict[bool, dict[int, float]] = {True: {}, False: {}}
         for rep in range(reps + 1):
             for k in ks:
