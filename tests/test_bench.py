@@ -32,6 +32,18 @@ def test_bench_runs_resumes_and_reports(tmp_path):
     assert plain["speedup"] == 1.0 and plain["tau"] == 1.0
     moa = next(r for r in rows if r["method"] == "moa" and r["task"] == "all" and r["temperature"] == 0)
     assert moa["tau"] >= 1.0 and 0 < moa["draft_share"] < 1 and moa["target_calls_per_token"] <= 1.0
+    # the decode speedup leaves the prefill out: tokens over (wall - prefill) against plain's, from the answers
+    assert plain["decode_speedup"] == 1.0 and 0 < plain["prefill_share"] < 1
+
+    def decode_rate(method: str) -> float:
+        cs = [c for line in answer_path(out, method, 0.0).read_text().splitlines()
+              for c in json.loads(line)["choices"]]
+        tokens = sum(sum(c["new_tokens"]) for c in cs)
+        return tokens / sum(sum(c["wall_time"]) - sum(c["prefill_time"]) for c in cs)
+
+    assert moa["decode_speedup"] == pytest.approx(decode_rate("moa") / decode_rate("plain"), abs=2e-3)
+    hf = next(r for r in rows if r["method"] == "hf" and r["task"] == "all" and r["temperature"] == 0)
+    assert hf["decode_speedup"] is None  # transformers reports no prefill time: no decode-only figure
 
     lines = answer_path(out, "moa", 0.0).read_text().splitlines()
     assert len(lines) == 2
