@@ -22,6 +22,7 @@ from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters import shipped_checkpoint
 from moaspec.drafters.layers import CrossAttentionLayer, DecoderLayer, KVCache, rope
+from moaspec.models import quant
 from moaspec.models.runtime import Transformer, signed_sin
 from moaspec.models.store import weights_fingerprint
 
@@ -89,6 +90,47 @@ def test_block_kernels_follow_weight_updates_and_mode():
                 m.mode = "fp16"
         assert (layer.infer(x, cos, signed_sin(sin)) - after).abs().max() < 1e-2
     assert layer.kernels().qkv.packed is not None  # fbgemm fp16
+
+
+@pytest.mark.skipif(not quant.available(), reason="the compiled kernels cannot be built here")
+def test_fused_fp16_blocks_match_the_op_by_op_path():
+    """fp16 blocks run norm + projection + RoPE and the residual tail as two compiled calls each; on the
+    same fp16 weights they compute what the op-by-op path computes (up to float summation order): SA with
+    a cache and a pending mask, the LSA's shape (many tokens, one position table over the layers), CA and
+    its context K/V."""
+    torch.manual_seed(0)
+    D, hd, S, heads, kv_heads = 128, 16, 32, 8, 2
+    sa = _random(DecoderLayer(D, heads, kv_heads, hd, 96, 1e-6), 1)
+    ca = _random(CrossAttentionLayer(D, heads, kv_heads, hd, 96, 1e-6), 2)
+    for m in [*sa.modules(), *ca.modules()]:
+        if hasattr(m, "mode"):
+            m.mode = "fp16"
+    cos, sin = rope(10000.0, hd, S)
+    sin_s = signed_sin(sin)
+    caches = [KVCache(kv_heads, S, hd, torch.device("cpu"), torch.float32) for _ in range(2)]
+
+    def both(block, fn):
+        kern = block.kernels()
+        assert kern.fused is not None  # fp16 with the compiled kernels: the fused path runs
+        fused = fn(kern, caches[0])
+        kern.fused, saved = None, kern.fused
+        try:
+            ref = fn(kern, caches[1])
+        finally:
+            kern.fused = saved
+        return fused, ref
+
+    with torch.no_grad():
+        mask = torch.ones(5, 8, dtype=torch.bool).tril(3)  # 5 pending rows at slots 3..7 over slots 0..7
+        x, tokens = torch.randn(1, 5, D), torch.randn(6, 12, D)
+        for got, ref in (both(sa, lambda k, c: sa.infer(x, cos[3:8], sin_s[3:8], mask, c, 3, k)),
+                         both(sa, lambda k, c: sa.infer(x[:, :1], cos[8:9], sin_s[8:9], None, c, 8, k)),
+                         both(sa, lambda k, c: sa.infer(tokens, cos[:12], sin_s[:12], kern=k)),
+                         both(ca, lambda k, c: torch.cat(ca.context_kv_infer(x, cos[:5], sin_s[:5], k), -1)),
+                         both(ca, lambda k, c: ca.infer(x[:, :3], cos[9:10], sin_s[9:10], caches[0].k[:, :, :9],
+                                                        caches[0].v[:, :, :9], k))):
+            assert got.shape == ref.shape and (got - ref).abs().max() < 1e-4 * ref.abs().max()
+        assert (caches[0].k[:, :, :9] - caches[1].k[:, :, :9]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])

@@ -165,11 +165,38 @@ class BlockKernels:
         self.mlp = block.mlp.gate.out_features
         self.ln1, self.ln2 = block.input_norm.weight.detach(), block.post_norm.weight.detach()
         self.eps = block.input_norm.eps
+        # fp16 on a CPU with the compiled kernels: norm + projection + RoPE in one call, and the residual
+        # tail in another (`qgemm.cpp`), where a few rows spent most of their time between ~20 small ops
+        lins = [lin for lin in vars(self).values() if isinstance(lin, Linear)]
+        few = all(lin.w16 is not None and lin.few_rows for lin in lins)
+        self.fused = lins[0].kernels if few else None
 
 
 def _rows(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     """`lin` over x [..., in] (inference, any row count) -> [..., out]."""
     return lin(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], lin.out_features)
+
+
+FUSED_ROWS = 128  # up to this many rows a call (drafting; the LSA of a few tokens) the fused fp16 kernels run
+
+
+def _fused(kern: BlockKernels, x: torch.Tensor):
+    """The compiled module for `kern`'s fused calls on x [..., dim], or None (the op-by-op path)."""
+    return kern.fused if kern.fused is not None and x.numel() <= FUSED_ROWS * x.shape[-1] else None
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] as contiguous rows [-1, n] (the compiled kernels' input)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _norm_proj_rope(kern: BlockKernels, lin: Linear, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                    heads: int, rope_heads: int, head_dim: int) -> torch.Tensor:
+    """The fused kernel's RoPE(rms_norm(x) @ W.T) on the first `rope_heads` heads: x [B, n, dim]; cos,
+    sin_signed [n or 1, head_dim] -> [B, n, heads, head_dim]."""
+    y = kern.fused.norm_linear_rope_f16(_flat(x), kern.ln1, kern.eps, lin.w16, cos.contiguous(),
+                                        sin_signed.contiguous(), rope_heads * head_dim)
+    return y.view(*x.shape[:-1], heads, head_dim)
 
 
 class _AttentionBlock(nn.Module):
@@ -216,6 +243,9 @@ class _AttentionBlock(nn.Module):
 
     def _infer_tail(self, x: torch.Tensor, att: torch.Tensor, kern: BlockKernels) -> torch.Tensor:
         """`_residual` on the inference path: x [B, n, dim] + o(att), then + the MLP of its post-norm."""
+        if _fused(kern, x) is not None:
+            return kern.fused.block_tail_f16(_flat(x), _flat(att), kern.o.w16, kern.ln2, kern.eps, kern.gate_up.w16,
+                                             kern.down.w16).view(x.shape)
         x = x + _rows(kern.o, att)
         gu = _rows(kern.gate_up, rms_norm_rows(x, kern.ln2, kern.eps))
         return x.add_(_rows(kern.down, F.silu(gu[..., :kern.mlp]).mul_(gu[..., kern.mlp:])))
@@ -258,9 +288,12 @@ class DecoderLayer(_AttentionBlock):
         kern = kern or self.kernels()
         B, n, _ = x.shape
         H, Hkv, d = self.heads, self.kv_heads, self.head_dim
-        qkv = _rows(kern.qkv, rms_norm_rows(x, kern.ln1, kern.eps)).view(B, n, H + 2 * Hkv, d)
-        qk = rope_rows(qkv[:, :, :H + Hkv], cos[:, None], sin_signed[:, None])
-        k, v = qk[:, :, H:].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
+        if _fused(kern, x) is not None:
+            qk = qkv = _norm_proj_rope(kern, kern.qkv, x, cos, sin_signed, H + 2 * Hkv, H + Hkv, d)
+        else:
+            qkv = _rows(kern.qkv, rms_norm_rows(x, kern.ln1, kern.eps)).view(B, n, H + 2 * Hkv, d)
+            qk = rope_rows(qkv[:, :, :H + Hkv], cos[:, None], sin_signed[:, None])
+        k, v = qk[:, :, H:H + Hkv].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(start, k, v)
         return self._infer_tail(x, attend_rows(qk[:, :, :H], k, v, mask), kern)
@@ -290,6 +323,9 @@ class CrossAttentionLayer(_AttentionBlock):
         """`context_kv` on the inference path: c [B, m, dim] -> k, v [B, kv_heads, m, head_dim] (views)."""
         kern = kern or self.kernels()
         B, m, _ = c.shape
+        if _fused(kern, c) is not None:
+            kv = k = _norm_proj_rope(kern, kern.kv, c, cos, sin_signed, 2 * self.kv_heads, self.kv_heads, self.head_dim)
+            return k[:, :, :self.kv_heads].transpose(1, 2), kv[:, :, self.kv_heads:].transpose(1, 2)
         kv = _rows(kern.kv, rms_norm_rows(c, kern.ln1, kern.eps)).view(B, m, 2 * self.kv_heads, self.head_dim)
         k = rope_rows(kv[:, :, :self.kv_heads], cos[:, None], sin_signed[:, None])
         return k.transpose(1, 2), kv[:, :, self.kv_heads:].transpose(1, 2)
@@ -299,8 +335,11 @@ class CrossAttentionLayer(_AttentionBlock):
         """`forward` on the inference path without a mask (every context slot in k, v): x [B, n, dim]."""
         kern = kern or self.kernels()
         B, n, _ = x.shape
-        q = rope_rows(_rows(kern.q, rms_norm_rows(x, kern.ln1, kern.eps)).view(B, n, self.heads, self.head_dim),
-                      cos[:, None], sin_signed[:, None])
+        if _fused(kern, x) is not None:
+            q = _norm_proj_rope(kern, kern.q, x, cos, sin_signed, self.heads, self.heads, self.head_dim)
+        else:
+            q = rope_rows(_rows(kern.q, rms_norm_rows(x, kern.ln1, kern.eps)).view(B, n, self.heads, self.head_dim),
+                          cos[:, None], sin_signed[:, None])
         return self._infer_tail(x, attend_rows(q, k, v, None), kern)
 
 

@@ -389,6 +389,80 @@ torch::Tensor linear_f16(const torch::Tensor& x, const torch::Tensor& w16, const
   return y;
 }
 
+// The drafters' decoder blocks for a few rows in two calls instead of ~20 small torch ops: at 1-4 rows
+// a draft step's time was mostly per-op dispatch, not weights. Inference only; the norms sum in another
+// order than torch's, so results match the reference math up to float rounding, not bit for bit.
+
+// x [R, K] -> x * rsqrt(mean(x^2) + eps) * w
+torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const int64_t R = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.numel() == K && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "norm weight must be float32 [in]");
+  auto h = torch::empty({R, K}, torch::kFloat32);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = xp + r * K;
+    double ss = 0.0;
+    for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * xr[k];
+    const float inv = 1.f / std::sqrt(float(ss / K) + float(eps));
+    for (int64_t k = 0; k < K; ++k) hp[r * K + k] = xr[k] * inv * wp[k];
+  }
+  return h;
+}
+
+// y = rms_norm(x) @ w.T with RoPE (rotate-half, the sign folded into `sin_signed`) on the first
+// `rope_cols` output columns, head by head: x [R, K]; cos, sin_signed [P, d] (row r at position row
+// r % P: one row for rows at one position, one per row, or the L layers of the LSA).
+torch::Tensor norm_linear_rope_f16(const torch::Tensor& x, const torch::Tensor& ln, double eps, const torch::Tensor& w16,
+                                   const torch::Tensor& cos, const torch::Tensor& sin_signed, int64_t rope_cols) {
+  check_input(x, w16.size(1));
+  auto y = linear_f16(rms_rows(x, ln, eps), w16, c10::nullopt);
+  if (rope_cols == 0) return y;
+  const int64_t R = y.size(0), N = y.size(1), P = cos.size(0), d = cos.size(1), half = d / 2;
+  TORCH_CHECK(cos.dim() == 2 && sin_signed.sizes() == cos.sizes() && cos.is_contiguous() && sin_signed.is_contiguous() &&
+              cos.scalar_type() == torch::kFloat32 && sin_signed.scalar_type() == torch::kFloat32,
+              "cos and sin_signed must be contiguous float32 [positions, head_dim]");
+  TORCH_CHECK(rope_cols % d == 0 && rope_cols <= N && d % 2 == 0, "rope_cols must be whole heads of the output");
+  const float *cp = cos.data_ptr<float>(), *sp = sin_signed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<float> tmp(d);
+  for (int64_t r = 0; r < R; ++r) {
+    const float *c = cp + (r % P) * d, *s = sp + (r % P) * d;
+    for (int64_t h0 = 0; h0 < rope_cols; h0 += d) {
+      float* v = yp + r * N + h0;
+      std::memcpy(tmp.data(), v, d * sizeof(float));
+      for (int64_t j = 0; j < d; ++j) v[j] = tmp[j] * c[j] + tmp[(j + half) % d] * s[j];
+    }
+  }
+  return y;
+}
+
+// The residual tail of a block: y = x + att @ o.T, then y + down(silu(g) * u) with [g | u] = rms_norm(y)
+// @ gate_up.T. x [R, D], att [R, A]; a new tensor (x is not written).
+torch::Tensor block_tail_f16(const torch::Tensor& x, const torch::Tensor& att, const torch::Tensor& o16,
+                             const torch::Tensor& ln2, double eps, const torch::Tensor& gu16, const torch::Tensor& down16) {
+  check_input(x, o16.size(0));
+  auto y = linear_f16(att, o16, c10::nullopt);
+  const int64_t R = y.size(0), D = y.size(1), M = gu16.size(0) / 2;
+  TORCH_CHECK(down16.size(1) == M && down16.size(0) == D && gu16.size(1) == D, "gate_up / down shapes do not match");
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < R * D; ++i) yp[i] += xp[i];
+  auto gu = linear_f16(rms_rows(y, ln2, eps), gu16, c10::nullopt);
+  auto a = torch::empty({R, M}, torch::kFloat32);
+  const float* g = gu.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < M; ++j) {
+      const float gv = g[r * 2 * M + j];
+      ap[r * M + j] = gv / (1.f + std::exp(-gv)) * g[r * 2 * M + M + j];
+    }
+  auto dn = linear_f16(a, down16, c10::nullopt);
+  const float* dp = dn.data_ptr<float>();
+  for (int64_t i = 0; i < R * D; ++i) yp[i] += dp[i];
+  return y;
+}
+
 torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
                         const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == torch::kInt8 && qw.is_contiguous(), "qw must be int8 [out, in]");
@@ -561,6 +635,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("linear_f16", &linear_f16, "y = x @ w.T + b, fp16 weights, fp32 sums", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
+  m.def("norm_linear_rope_f16", &norm_linear_rope_f16, "RoPE(rms_norm(x) @ w.T) on the first rope_cols columns",
+        py::arg("x"), py::arg("ln"), py::arg("eps"), py::arg("w"), py::arg("cos"), py::arg("sin_signed"),
+        py::arg("rope_cols"));
+  m.def("block_tail_f16", &block_tail_f16, "y = x + att @ o.T; y + down(silu(g) * u), [g|u] = rms_norm(y) @ gate_up.T",
+        py::arg("x"), py::arg("att"), py::arg("o"), py::arg("ln2"), py::arg("eps"), py::arg("gate_up"), py::arg("down"));
   m.def("attention", &attention, "row-invariant attention over the first T cache slots", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("T"), py::arg("mask") = py::none(), py::arg("scale"));
   m.def("linear_q4", &linear_q4, "y = x @ (q * s + m).T + b, groups of G inputs", py::arg("x"), py::arg("qw"),
