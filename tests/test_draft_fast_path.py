@@ -41,12 +41,15 @@ def _random(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module.eval()
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
-def test_block_infer_matches_forward(heads, kv_heads):
-    """SA with a cache, a pending mask and a tree mask; CA and its context K/V; fp32 weights."""
+@pytest.mark.parametrize("heads,kv_heads,input_norm", [(8, 2, True), (4, 4, True), (8, 2, False)])
+def test_block_infer_matches_forward(heads, kv_heads, input_norm):
+    """SA with a cache, a pending mask and a tree mask (also without an input norm, as EAGLE's layer); CA
+    and its context K/V; fp32 weights."""
     torch.manual_seed(0)
     D, hd, S = 128, 16, 64
     sa = _random(DecoderLayer(D, heads, kv_heads, hd, 96, 1e-6), 1)
+    if not input_norm:
+        sa.input_norm = torch.nn.Identity()
     ca = _random(CrossAttentionLayer(D, heads, kv_heads, hd, 96, 1e-6), 2)
     cos, sin = rope(10000.0, hd, S)
     sin_s = signed_sin(sin)
@@ -102,7 +105,9 @@ def test_fused_fp16_blocks_match_the_op_by_op_path():
     D, hd, S, heads, kv_heads = 128, 16, 32, 8, 2
     sa = _random(DecoderLayer(D, heads, kv_heads, hd, 96, 1e-6), 1)
     ca = _random(CrossAttentionLayer(D, heads, kv_heads, hd, 96, 1e-6), 2)
-    for m in [*sa.modules(), *ca.modules()]:
+    bare = _random(DecoderLayer(D, heads, kv_heads, hd, 96, 1e-6), 3)  # EAGLE's layer: no input norm
+    bare.input_norm = torch.nn.Identity()
+    for m in [*sa.modules(), *ca.modules(), *bare.modules()]:
         if hasattr(m, "mode"):
             m.mode = "fp16"
     cos, sin = rope(10000.0, hd, S)
@@ -126,6 +131,7 @@ def test_fused_fp16_blocks_match_the_op_by_op_path():
         for got, ref in (both(sa, lambda k, c: sa.infer(x, cos[3:8], sin_s[3:8], mask, c, 3, k)),
                          both(sa, lambda k, c: sa.infer(x[:, :1], cos[8:9], sin_s[8:9], None, c, 8, k)),
                          both(sa, lambda k, c: sa.infer(tokens, cos[:12], sin_s[:12], kern=k)),
+                         both(bare, lambda k, c: bare.infer(tokens[:1, :4], cos[:4], sin_s[:4], kern=k)),
                          both(ca, lambda k, c: torch.cat(ca.context_kv_infer(x, cos[:5], sin_s[:5], k), -1)),
                          both(ca, lambda k, c: ca.infer(x[:, :3], cos[9:10], sin_s[9:10], caches[0].k[:, :, :9],
                                                         caches[0].v[:, :, :9], k))):

@@ -48,7 +48,7 @@ from moaspec.drafters.trained import (
 from moaspec.errors import UserError
 from moaspec.models.parts import TargetParts
 from moaspec.models.runtime import KVCache as TargetCache
-from moaspec.models.runtime import ModelConfig, Transformer
+from moaspec.models.runtime import ModelConfig, Transformer, signed_sin
 
 KIND = "eagle"
 DEFAULT_NOISE = 0.1  # EAGLE's training noise on the input features: U(-0.1, 0.1)
@@ -155,15 +155,19 @@ class EagleDrafter(TargetBoundDrafter):
         cos, sin = rope(cfg.rope_theta, cfg.head_dim, max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # the inference path's table
         self.apply(self._init_weights)
         self.encoder = FeatureEncoder(cfg.num_layers)
         self.reset()
 
     # ------------------------------------------------------------------ shared math
     def _rows(self, feats: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-              cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
-        """Rows (feature f_j [B, n, D], token ids [B, n] of x_{j+1}) at `positions` -> predicted f_{j+1}."""
+              cache: KVCache | None = None, start: int = 0, drafting: bool = False) -> torch.Tensor:
+        """Rows (feature f_j [B, n, D], token ids [B, n] of x_{j+1}) at `positions` -> predicted f_{j+1};
+        `drafting`: the layer's inference path (`DecoderLayer.infer`, no autograd)."""
         x = self.fc(torch.cat([self.embed[ids], feats], -1))
+        if drafting:
+            return self.layer.infer(x, self.cos[positions], self.sin_signed[positions], mask, cache, start)
         return self.layer(x, self.cos[positions], self.sin[positions], mask, cache, start)
 
     # ------------------------------------------------------------------ training
@@ -237,7 +241,7 @@ class EagleDrafter(TargetBoundDrafter):
             ids = torch.tensor(ext[start + 1:end + 1], device=dev)
             pos = torch.arange(start, end, device=dev)
             out = self._rows(self.features[start:end][None], ids[None], pos, pending_mask(start, end - start, dev),
-                             self.cache, start)
+                             self.cache, start, drafting=True)
             self._pred, start = out[0, -1], end
             if end == P:
                 break
@@ -250,7 +254,7 @@ class EagleDrafter(TargetBoundDrafter):
             feats = torch.stack([pred_of[tree.parents[node]] for node in frontier])
             ids = torch.tensor([tree.tokens[node] for node in frontier], device=dev)
             positions = torch.tensor([P - 1 + tree.depths[node] for node in frontier], device=dev)
-            out = self._rows(feats[None], ids[None], positions, mask, self.cache, first)[0]
+            out = self._rows(feats[None], ids[None], positions, mask, self.cache, first, drafting=True)[0]
             for r, node in enumerate(frontier):
                 pred_of[node] = out[r]
             return self._logprobs(out)

@@ -33,7 +33,7 @@ from moaspec.drafters.trained import (
 )
 from moaspec.errors import UserError
 from moaspec.models.parts import TargetParts
-from moaspec.models.runtime import ModelConfig
+from moaspec.models.runtime import ModelConfig, signed_sin
 
 KIND = "independent"
 
@@ -103,17 +103,24 @@ class IndependentDrafter(TargetBoundDrafter):
         cos, sin = rope(cfg.rope_theta, cfg.head_dim, max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # the inference path's table
         self.apply(self._init_weights)
         self.reset()
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 start: int | None = None) -> torch.Tensor:
-        """Token ids [B, n] at `positions` -> final normed states [B, n, D]. With `start` (B = 1) each
-        layer writes the rows' K/V into its cache at slots [start, start + n)."""
+        """Token ids [B, n] at `positions` -> final normed states [B, n, D]. With `start` (B = 1: drafting,
+        through the layers' inference path) each layer writes the rows' K/V into its cache at slots
+        [start, start + n)."""
         x = self.embed[ids]
+        if start is not None:
+            cos, sin = self.cos[positions], self.sin_signed[positions]
+            for layer, cache in zip(self.layers, self.caches, strict=True):
+                x = layer.infer(x, cos, sin, mask, cache, start)
+            return self.norm(x)
         cos, sin = self.cos[positions], self.sin[positions]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, None if start is None else self.caches[i], start or 0)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
         return self.norm(x)
 
     # ------------------------------------------------------------------ training

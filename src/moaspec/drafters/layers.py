@@ -144,8 +144,8 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
 class BlockKernels:
     """The inference kernels of one attention block (`_AttentionBlock.kernels`): its projections as
     `Linear`s in the target's weight mode, fused where they share an input (q|k|v for self-attention,
-    k|v of the context for cross-attention, gate|up), and its norm weights (the block's input norm must
-    be an `RMSNorm`). Fusing changes how many kernel calls (and weight streams) a drafting step makes,
+    k|v of the context for cross-attention, gate|up), and its norm weights (an input norm other than
+    `RMSNorm` counts as none). Fusing changes how many kernel calls (and weight streams) a drafting step makes,
     not the math (each output element is the same dot product, up to the kernel's summation order)."""
 
     def __init__(self, block: _AttentionBlock, mode: str):
@@ -163,8 +163,9 @@ class BlockKernels:
         self.gate_up = fused(block.mlp.gate, block.mlp.up)
         self.down = fused(block.mlp.down)
         self.mlp = block.mlp.gate.out_features
-        self.ln1, self.ln2 = block.input_norm.weight.detach(), block.post_norm.weight.detach()
-        self.eps = block.input_norm.eps
+        # no input norm (EAGLE's first layer drops it): ln1 is None
+        self.ln1 = block.input_norm.weight.detach() if isinstance(block.input_norm, RMSNorm) else None
+        self.ln2, self.eps = block.post_norm.weight.detach(), block.post_norm.eps
         # fp16 on a CPU with the compiled kernels: norm + projection + RoPE in one call, and the residual
         # tail in another (`qgemm.cpp`), where a few rows spent most of their time between ~20 small ops
         lins = [lin for lin in vars(self).values() if isinstance(lin, Linear)]
@@ -185,6 +186,10 @@ def _fused(kern: BlockKernels, x: torch.Tensor):
     return kern.fused if kern.fused is not None and x.numel() <= FUSED_ROWS * x.shape[-1] else None
 
 
+def _input_norm(kern: BlockKernels, x: torch.Tensor) -> torch.Tensor:
+    return x if kern.ln1 is None else rms_norm_rows(x, kern.ln1, kern.eps)
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] as contiguous rows [-1, n] (the compiled kernels' input)."""
     return x.reshape(-1, x.shape[-1]).contiguous()
@@ -192,8 +197,8 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def _norm_proj_rope(kern: BlockKernels, lin: Linear, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                     heads: int, rope_heads: int, head_dim: int) -> torch.Tensor:
-    """The fused kernel's RoPE(rms_norm(x) @ W.T) on the first `rope_heads` heads: x [B, n, dim]; cos,
-    sin_signed [n or 1, head_dim] -> [B, n, heads, head_dim]."""
+    """The fused kernel's RoPE(rms_norm(x) @ W.T) (no norm without `kern.ln1`) on the first `rope_heads`
+    heads: x [B, n, dim]; cos, sin_signed [n or 1, head_dim] -> [B, n, heads, head_dim]."""
     y = kern.fused.norm_linear_rope_f16(_flat(x), kern.ln1, kern.eps, lin.w16, cos.contiguous(),
                                         sin_signed.contiguous(), rope_heads * head_dim)
     return y.view(*x.shape[:-1], heads, head_dim)
@@ -291,7 +296,7 @@ class DecoderLayer(_AttentionBlock):
         if _fused(kern, x) is not None:
             qk = qkv = _norm_proj_rope(kern, kern.qkv, x, cos, sin_signed, H + 2 * Hkv, H + Hkv, d)
         else:
-            qkv = _rows(kern.qkv, rms_norm_rows(x, kern.ln1, kern.eps)).view(B, n, H + 2 * Hkv, d)
+            qkv = _rows(kern.qkv, _input_norm(kern, x)).view(B, n, H + 2 * Hkv, d)
             qk = rope_rows(qkv[:, :, :H + Hkv], cos[:, None], sin_signed[:, None])
         k, v = qk[:, :, H:H + Hkv].transpose(1, 2), qkv[:, :, H + Hkv:].transpose(1, 2)
         if cache is not None:
@@ -326,7 +331,7 @@ class CrossAttentionLayer(_AttentionBlock):
         if _fused(kern, c) is not None:
             kv = k = _norm_proj_rope(kern, kern.kv, c, cos, sin_signed, 2 * self.kv_heads, self.kv_heads, self.head_dim)
             return k[:, :, :self.kv_heads].transpose(1, 2), kv[:, :, self.kv_heads:].transpose(1, 2)
-        kv = _rows(kern.kv, rms_norm_rows(c, kern.ln1, kern.eps)).view(B, m, 2 * self.kv_heads, self.head_dim)
+        kv = _rows(kern.kv, _input_norm(kern, c)).view(B, m, 2 * self.kv_heads, self.head_dim)
         k = rope_rows(kv[:, :, :self.kv_heads], cos[:, None], sin_signed[:, None])
         return k.transpose(1, 2), kv[:, :, self.kv_heads:].transpose(1, 2)
 
@@ -338,7 +343,7 @@ class CrossAttentionLayer(_AttentionBlock):
         if _fused(kern, x) is not None:
             q = _norm_proj_rope(kern, kern.q, x, cos, sin_signed, self.heads, self.heads, self.head_dim)
         else:
-            q = rope_rows(_rows(kern.q, rms_norm_rows(x, kern.ln1, kern.eps)).view(B, n, self.heads, self.head_dim),
+            q = rope_rows(_rows(kern.q, _input_norm(kern, x)).view(B, n, self.heads, self.head_dim),
                           cos[:, None], sin_signed[:, None])
         return self._infer_tail(x, attend_rows(q, k, v, None), kern)
 

@@ -410,13 +410,14 @@ torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, double ep
   return h;
 }
 
-// y = rms_norm(x) @ w.T with RoPE (rotate-half, the sign folded into `sin_signed`) on the first
+// y = rms_norm(x) @ w.T (x @ w.T without `ln`) with RoPE (rotate-half, the sign folded into `sin_signed`) on the first
 // `rope_cols` output columns, head by head: x [R, K]; cos, sin_signed [P, d] (row r at position row
 // r % P: one row for rows at one position, one per row, or the L layers of the LSA).
-torch::Tensor norm_linear_rope_f16(const torch::Tensor& x, const torch::Tensor& ln, double eps, const torch::Tensor& w16,
-                                   const torch::Tensor& cos, const torch::Tensor& sin_signed, int64_t rope_cols) {
+torch::Tensor norm_linear_rope_f16(const torch::Tensor& x, const c10::optional<torch::Tensor>& ln, double eps,
+                                   const torch::Tensor& w16, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                   int64_t rope_cols) {
   check_input(x, w16.size(1));
-  auto y = linear_f16(rms_rows(x, ln, eps), w16, c10::nullopt);
+  auto y = linear_f16(ln.has_value() && ln->defined() ? rms_rows(x, *ln, eps) : x, w16, c10::nullopt);
   if (rope_cols == 0) return y;
   const int64_t R = y.size(0), N = y.size(1), P = cos.size(0), d = cos.size(1), half = d / 2;
   TORCH_CHECK(cos.dim() == 2 && sin_signed.sizes() == cos.sizes() && cos.is_contiguous() && sin_signed.is_contiguous() &&
