@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,15 @@ os.environ.setdefault("MOASPEC_THREADS", os.environ.get("MOASPEC_TEST_THREADS", 
 
 SMOL = "smollm2-135m"
 NEAR_TIE = 1e-4  # a top-2 logit margin below this may legitimately flip under float round-off
+DATA_DIRS = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "data").glob("*/manifest.json"))
+
+
+def data_dir_params() -> list:
+    """The committed data folders as test parameters. Reading one's text needs its target's tokenizer:
+    a folder of a target other than SmolLM2 (the one `make setup` installs) runs with the slow tests,
+    whose `make test-slow` installs Qwen."""
+    return [pytest.param(f, id=f.name, marks=() if f.name.startswith(SMOL) else (pytest.mark.slow,))
+            for f in DATA_DIRS]
 
 
 @pytest.fixture(scope="session")

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
+from conftest import DATA_DIRS, SMOL, data_dir_params
 
 from moaspec.bench import tasks as bench
 from moaspec.bench.tasks import TASKS, Question, check_clean, load_tasks
 from moaspec.errors import UserError
 from moaspec.training import prompts as training
 from moaspec.training.data import texts
-
-DATA_DIRS = sorted(p.parent for p in (Path(__file__).parents[1] / "data").glob("*/manifest.json"))
-SETUP_MODEL = "smollm2-135m"  # the model `make setup` installs: other folders need their model's tokenizer
-
-
-def data_dir(folder: Path):
-    """A data folder as a test parameter: one whose target `make setup` does not install runs with the
-    slow tests (`make test-slow` installs Qwen)."""
-    slow = () if folder.name.startswith(SETUP_MODEL) else (pytest.mark.slow,)
-    return pytest.param(folder, id=folder.name, marks=slow)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +64,10 @@ def test_synthesised_sets_avoid_the_training_templates(questions):
 
 
 def test_every_target_has_committed_data():
-    assert {f.name.split("-v")[0] for f in DATA_DIRS} >= {SETUP_MODEL, "qwen2.5-coder-0.5b"}
+    assert {f.name.split("-v")[0] for f in DATA_DIRS} >= {SMOL, "qwen2.5-coder-0.5b"}
 
 
-@pytest.mark.parametrize("folder", [data_dir(f) for f in DATA_DIRS])
+@pytest.mark.parametrize("folder", data_dir_params())
 def test_no_question_overlaps_the_committed_training_data(questions, folder):
     sample = list(texts(folder))
     assert len(sample) > 200
