@@ -5,11 +5,11 @@ frozen layers run on drafted positions.
 Each attention block has two paths over the same weights. `forward` is the reference math (autograd,
 training, validation). `infer` is the inference path for drafting and context encoding (every trained
 drafter drafts through it): the block's projections fused into few `models.linear.Linear` kernels in the
-target's weight mode (`BlockKernels`: q|k|v or k|v in one matrix, gate|up in one), RoPE with the rotate-
-half sign folded into a precomputed sine table (`signed_sin`), attention that reads the K/V once for a
-few query rows (`attend_rows`) and in-place elementwise tails; in "fp16" mode with the compiled kernels,
-up to `FUSED_ROWS` rows, norm + projection + RoPE and the residual tail are one compiled call each. It
-computes what `forward` computes up to the weight mode's rounding (tests/test_moa.py,
+target's weight mode (`BlockKernels`: q|k|v or k|v in one matrix, gate|up in one), RoPE with the
+rotate-half sign folded into a precomputed sine table (`signed_sin`), attention that reads the K/V once
+for a few query rows (`attend_rows`) and in-place elementwise tails; in "fp16" mode with the compiled
+kernels, up to `FUSED_ROWS` rows, norm + projection + RoPE and the residual tail are one compiled call
+each. It computes what `forward` computes up to the weight mode's rounding (tests/test_moa.py,
 tests/test_draft_fast_path.py)."""
 
 from __future__ import annotations
