@@ -38,6 +38,7 @@ def aggregate(meta: dict, answers: dict[tuple[float, str], dict[str, dict]]) -> 
             if not qs:
                 continue
             stats = {m: _pool([answers[(t, m)][q]["choices"][0] for q in qs]) for m in methods}
+            decode = {m: _decode_rate(stats[m]) for m in methods}
             plain_ids = [answers[(t, "plain")][q]["choices"][0]["token_ids"] for q in qs]
             for m in methods:
                 s = stats[m]
@@ -50,9 +51,8 @@ def aggregate(meta: dict, answers: dict[tuple[float, str], dict[str, dict]]) -> 
                     "tokens_per_s": round(s["tokens"] / s["wall"], 3) if s["wall"] else 0.0,
                     "speedup": round(s["tokens"] / s["wall"] / (stats["plain"]["tokens"] / stats["plain"]["wall"]), 3),
                     "prefill_share": round(s["prefill"] / s["wall"], 3) if s["wall"] and s["prefill"] else None,
-                    "decode_tokens_per_s": _decode_rate(s),
-                    "decode_speedup": round(_decode_rate(s) / _decode_rate(stats["plain"]), 3)
-                    if _decode_rate(s) and _decode_rate(stats["plain"]) else None,
+                    "decode_tokens_per_s": decode[m],
+                    "decode_speedup": round(decode[m] / decode["plain"], 3) if decode[m] and decode["plain"] else None,
                     "tau": round(s["accepted"] / s["calls"], 3) if s["calls"] else (1.0 if m == "plain" else None),
                     "target_calls_per_token": round(s["calls"] / s["tokens"], 3) if s["calls"] else None,
                     "draft_share": round(s["draft"] / s["wall"], 3) if s["wall"] else None,

@@ -183,9 +183,9 @@ def _rows(lin: Linear, x: torch.Tensor) -> torch.Tensor:
 FUSED_ROWS = 128  # up to this many rows a call (drafting; the LSA of a few tokens) the fused fp16 kernels run
 
 
-def _fused(kern: BlockKernels, x: torch.Tensor):
-    """The compiled module for `kern`'s fused calls on x [..., dim], or None (the op-by-op path)."""
-    return kern.fused if kern.fused is not None and x.numel() <= FUSED_ROWS * x.shape[-1] else None
+def _fusable(kern: BlockKernels, x: torch.Tensor) -> bool:
+    """Whether x [..., dim] goes through `kern.fused`'s compiled calls (else the op-by-op path)."""
+    return kern.fused is not None and x.numel() <= FUSED_ROWS * x.shape[-1]
 
 
 def _input_norm(kern: BlockKernels, x: torch.Tensor) -> torch.Tensor:
@@ -250,7 +250,7 @@ class _AttentionBlock(nn.Module):
 
     def _infer_tail(self, x: torch.Tensor, att: torch.Tensor, kern: BlockKernels) -> torch.Tensor:
         """`_residual` on the inference path: x [B, n, dim] + o(att), then + the MLP of its post-norm."""
-        if _fused(kern, x) is not None:
+        if _fusable(kern, x):
             return kern.fused.block_tail_f16(_flat(x), _flat(att), kern.o.w16, kern.ln2, kern.eps, kern.gate_up.w16,
                                              kern.down.w16).view(x.shape)
         x = x + _rows(kern.o, att)
@@ -295,7 +295,7 @@ class DecoderLayer(_AttentionBlock):
         kern = kern or self.kernels()
         B, n, _ = x.shape
         H, Hkv, d = self.heads, self.kv_heads, self.head_dim
-        if _fused(kern, x) is not None:
+        if _fusable(kern, x):
             qk = qkv = _norm_proj_rope(kern, kern.qkv, x, cos, sin_signed, H + 2 * Hkv, H + Hkv, d)
         else:
             qkv = _rows(kern.qkv, _input_norm(kern, x)).view(B, n, H + 2 * Hkv, d)
@@ -330,7 +330,7 @@ class CrossAttentionLayer(_AttentionBlock):
         """`context_kv` on the inference path: c [B, m, dim] -> k, v [B, kv_heads, m, head_dim] (views)."""
         kern = kern or self.kernels()
         B, m, _ = c.shape
-        if _fused(kern, c) is not None:
+        if _fusable(kern, c):
             kv = k = _norm_proj_rope(kern, kern.kv, c, cos, sin_signed, 2 * self.kv_heads, self.kv_heads, self.head_dim)
             return k[:, :, :self.kv_heads].transpose(1, 2), kv[:, :, self.kv_heads:].transpose(1, 2)
         kv = _rows(kern.kv, _input_norm(kern, c)).view(B, m, 2 * self.kv_heads, self.head_dim)
@@ -342,7 +342,7 @@ class CrossAttentionLayer(_AttentionBlock):
         """`forward` on the inference path without a mask (every context slot in k, v): x [B, n, dim]."""
         kern = kern or self.kernels()
         B, n, _ = x.shape
-        if _fused(kern, x) is not None:
+        if _fusable(kern, x):
             q = _norm_proj_rope(kern, kern.q, x, cos, sin_signed, self.heads, self.heads, self.head_dim)
         else:
             q = rope_rows(_rows(kern.q, _input_norm(kern, x)).view(B, n, self.heads, self.head_dim),
