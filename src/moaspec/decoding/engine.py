@@ -131,8 +131,15 @@ class Engine:
 
     def stream(self, prompt: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
         """Yield the tokens of each round as they are verified. Stop strings are the caller's job
-        (they need text); EOS and max_new_tokens are handled here. `self.metrics` fills as it runs."""
+        (they need text); EOS and max_new_tokens are handled here. `self.metrics` fills as it runs.
+        However it ends (finished, or the caller stops iterating), the target is told (`release`)."""
         self.check(prompt, cfg)
+        try:
+            yield from self._stream(prompt, cfg)
+        finally:
+            self.target.release()
+
+    def _stream(self, prompt: list[int], cfg: GenerationConfig) -> Iterator[Chunk]:
         m = self.metrics = Metrics(prompt_tokens=len(prompt))
         eos = () if cfg.ignore_eos else self.target.eos_token_ids
         t0 = time.perf_counter()

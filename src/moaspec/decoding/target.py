@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,7 +19,10 @@ from moaspec.decoding.sampling import SamplingParams, TokenNoise
 from moaspec.decoding.tree import Tree
 from moaspec.decoding.verify import Verdict, verify
 from moaspec.errors import ContextLengthError, UserError
-from moaspec.models.runtime import ForwardOut, KVCache, Transformer
+from moaspec.models.runtime import ForwardOut, KVCache, Rows, Transformer
+
+if TYPE_CHECKING:
+    from moaspec.decoding.scheduler import Scheduler
 
 
 class TargetUnavailable(UserError):
@@ -104,14 +107,22 @@ class TargetSide(Protocol):
         """Whether calls can go through (a remote target: a session is open or has been reopened)."""
         ...
 
+    def release(self) -> None:
+        """The generation ended: free what it holds on the target side (a server's memory, a batched
+        pass's wait for it). The next `start` begins afresh."""
+        ...
+
 
 class LocalTarget:
     """A target in this process: prefill, score a tree in one pass, verify, commit the path. It works
-    on its own `KVCache` (default: the model's), so several can share one model's weights."""
+    on its own `KVCache` (default: the model's), so several can share one model's weights; with a
+    `Scheduler` its passes join those of the other sequences of the model (continuous batching)."""
 
     def __init__(self, model: Transformer, encoder: ContextEncoder | None = None, cache: KVCache | None = None,
-                 costs: dict[int, float] | None = None, defer_context: bool = False):
+                 costs: dict[int, float] | None = None, defer_context: bool = False,
+                 scheduler: Scheduler | None = None):
         self.model = model
+        self.scheduler = scheduler
         self.encoder = encoder
         # hand out `DeferredContext`s (to a drafter that asks for them and takes them)
         self.defer_context = defer_context and encoder is not None
@@ -138,6 +149,15 @@ class LocalTarget:
     def available(self) -> bool:
         return True
 
+    def release(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.leave(self)
+
+    def _pass(self, rows: Rows) -> ForwardOut:
+        if self.scheduler is not None:
+            return self.scheduler.run(rows, self)
+        return self.model.forward_batch([rows])[0]
+
     def _context(self, first_slot: int, out: ForwardOut, rows: list[int] | slice) -> Context | None:
         if self.encoder is None:
             return None
@@ -163,7 +183,7 @@ class LocalTarget:
         self.generator = None if params.greedy or self.noise is not None else params.generator()
         self.cache.reset()
         hidden = self.encoder.hidden_layers if self.encoder else ()
-        out = self.model.prefill(prompt, hidden_layers=hidden, cache=self.cache)
+        out = self.model.prefill(prompt, hidden_layers=hidden, cache=self.cache, run=self._pass)
         # the first token is the bonus of verifying an empty draft after the prompt's last token
         first = verify(Tree.chain(prompt[-1]), out.logits[-1:], params, self.generator, self.noise,
                        len(prompt) - 1).bonus
@@ -173,13 +193,12 @@ class LocalTarget:
         t0 = time.perf_counter()
         start = self.cache.length
         single = len(tree) == 1
-        out = self.model.forward(
-            torch.tensor(tree.tokens),
+        out = self._pass(Rows(
+            torch.tensor(tree.tokens), self.cache,
             positions=None if single else tree.positions(start),
             tree_mask=None if single else tree.mask(),
             hidden_layers=self.encoder.hidden_layers if self.encoder else (),
-            cache=self.cache,
-        )
+        ))
         verdict = verify(tree, out.logits, self.params, self.generator, self.noise, start)
         self.cache.commit(verdict.path)
         return self._step(verdict, self._context(start, out, verdict.path), t0)

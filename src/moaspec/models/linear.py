@@ -46,6 +46,9 @@ class Linear:
         self.cpu = weight.device.type == "cpu"
         self.weight = self.packed = self.q = self.w16 = None
         self.few_rows = False  # fp16: 1-8 rows through `linear_f16` rather than fbgemm (`set_few_rows`)
+        # fp16: whether fbgemm computes a row the same whatever rows share its call (`Transformer.batch_invariant`
+        # checks it before a batched pass stacks several sequences' rows into one fbgemm call)
+        self.fbgemm_rows_independent = False
         if mode in QUANTISED:
             mode = self.mode = runnable_mode(mode, weight.device, self.in_features)
         if mode in QUANTISED:
@@ -68,7 +71,12 @@ class Linear:
         else:
             self.weight = weight.float().contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """x @ W.T + b. `counts`: x stacks the rows of several sequences, this many each (a batched pass);
+        each sequence's rows are computed by the kernel that a call with its rows alone would use, in one
+        call wherever the kernels agree, so that its result is the same bits as alone (`batch_invariant`)."""
+        if counts is not None and len(counts) > 1 and self.packed is not None:
+            return self._stacked(x, counts)
         n = x.shape[0]
         if not self.cpu:
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
@@ -88,6 +96,34 @@ class Linear:
         else:
             y = self._small(x)
         return y if self.bias is None else y + self.bias
+
+    def kind(self, n: int) -> str:
+        """Which kernel a call with n rows runs (fp16 on a CPU: "few" or "fbgemm"; one kernel otherwise)."""
+        if self.packed is None:
+            return "one"
+        return "few" if n <= FEW_ROWS and self.few_rows else "fbgemm"
+
+    def _stacked(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """fp16 rows of several sequences: runs of neighbours whose lone calls take the same kernel go
+        through it together (the few-row kernel at any row count, 8 rows a tile; fbgemm only where its rows
+        proved independent, else one call per sequence)."""
+        runs: list[tuple[str, int, int]] = []  # (kernel, first row, end row)
+        start = 0
+        for n in counts:
+            kind = self.kind(n)
+            if runs and runs[-1][0] == kind and (kind == "few" or self.fbgemm_rows_independent):
+                runs[-1] = (kind, runs[-1][1], start + n)
+            else:
+                runs.append((kind, start, start + n))
+            start += n
+        parts = []
+        for kind, a, b in runs:
+            rows = x[a:b].contiguous()
+            if kind == "few":
+                parts.append(self.kernels.linear_f16(rows.float(), self.w16, self.bias))
+            else:
+                parts.append(torch.ops.quantized.linear_dynamic_fp16(rows, self.packed))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def set_few_rows(self, on: bool, keep_copy: bool = True, weight: torch.Tensor | None = None) -> None:
         """fp16 on a CPU with the compiled kernels: run 1-8 rows through `linear_f16` (True) or fbgemm

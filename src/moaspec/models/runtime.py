@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,10 @@ from safetensors.torch import load_file
 from moaspec.errors import ContextLengthError, UserError
 from moaspec.models import quant
 from moaspec.models.linear import FEW_ROWS, QUANTISED, WEIGHT_MODES, Linear, WeightMode, runnable_mode, tensor_mode
+
+# Prompt rows per pass. Small enough that a prompt beside other sequences in a batched pass holds them up
+# for little more than a decode step; large enough to run near the kernels' prefill speed.
+PREFILL_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -147,19 +152,20 @@ class Layer:
         return [lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.gate_up, self.down)
                 if lin is not None]
 
-    def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of rows h [n, D]."""
+    def project_qkv(self, h: torch.Tensor, counts: list[int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of rows h [n, D] (`counts`: rows per sequence of a batched pass, see `Linear`)."""
         if self.qkv is not None:
-            return self.qkv(h).split(self.qkv_sizes, -1)
-        return self.q(h), self.k(h), self.v(h)
+            return self.qkv(h, counts).split(self.qkv_sizes, -1)
+        return self.q(h, counts), self.k(h, counts), self.v(h, counts)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
         """down(silu(gate(h)) * up(h)) of rows h [n, D]."""
         if self.gate_up is not None:
-            g, u = self.gate_up(h).chunk(2, -1)
+            g, u = self.gate_up(h, counts).chunk(2, -1)
         else:
-            g, u = self.gate(h), self.up(h)
-        return self.down((F.silu(g) * u).contiguous())
+            g, u = self.gate(h, counts), self.up(h, counts)
+        return self.down((F.silu(g) * u).contiguous(), counts)
 
 
 @dataclass
@@ -173,15 +179,54 @@ class KVCache:
     that one set of weights serves many sessions (a server holds one cache per session).
 
     Slots [0, length) hold committed tokens; a forward pass writes tentative rows after them, which
-    `commit` keeps (compacted to the accepted path) or the next pass overwrites."""
+    `commit` keeps (compacted to the accepted path) or the next pass overwrites. Memory is taken as the
+    sequence grows, in blocks of `BLOCK` slots (doubling, up to `size`), so an idle or short session
+    holds little; `release` gives it back."""
+
+    BLOCK = 256
 
     def __init__(self, cfg: ModelConfig, size: int, device: torch.device | str = "cpu"):
-        shape = (cfg.num_layers, cfg.num_kv_heads, size, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device)
-        self.v = torch.zeros(shape, device=device)
+        self.shape = (cfg.num_layers, cfg.num_kv_heads, 0, cfg.head_dim)
+        self.device = torch.device(device)
+        self.k = torch.zeros(self.shape, device=self.device)
+        self.v = torch.zeros(self.shape, device=self.device)
         self.size = size
         self.length = 0
         self.epoch = 0  # bumped whenever committed slots may be rewritten (reset, truncate)
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated now."""
+        return self.k.shape[2]
+
+    def bytes_for(self, slots: int) -> int:
+        """Memory of K and V for `slots` slots."""
+        L, H, _, d = self.shape
+        return 2 * L * H * slots * d * self.k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for(self.capacity)
+
+    def reserve(self, end: int) -> None:
+        """Make slots [0, end) writable: grow to the next block, at least doubling (amortised copies)."""
+        if end <= self.capacity:
+            return
+        if end > self.size:
+            raise ContextLengthError(f"context full: {end} tokens exceed the {self.size}-token cache")
+        grown = min(self.size, max(-(-end // self.BLOCK) * self.BLOCK, 2 * self.capacity))
+        L, H, old, d = self.k.shape
+        with torch.inference_mode(False):  # called inside passes; the cache must stay writable outside them
+            for name in ("k", "v"):
+                new = torch.zeros((L, H, grown, d), device=self.device)
+                new[:, :, :old] = getattr(self, name)
+                setattr(self, name, new)
+
+    def release(self) -> None:
+        """Empty the cache and give its memory back."""
+        self.reset()
+        self.k = torch.zeros(self.shape, device=self.device)
+        self.v = torch.zeros(self.shape, device=self.device)
 
     def advance(self, n: int) -> None:
         """Keep the last forward's n rows as committed (a plain, in-order pass)."""
@@ -212,6 +257,23 @@ class KVCache:
     def kv(self, positions: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K (after RoPE) and V of every layer for cache slots: each [L, Hkv, n, d]."""
         return self.k[:, :, positions], self.v[:, :, positions]
+
+
+@dataclass
+class Rows:
+    """One sequence's new rows in a forward pass (`Transformer.forward_batch`); the fields are `forward`'s."""
+
+    tokens: torch.Tensor | None
+    cache: KVCache
+    positions: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    logits_rows: slice | torch.Tensor | None = None
+    hidden_layers: tuple[int, ...] = ()
+    embeds: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return self.tokens.shape[0] if self.embeds is None else self.embeds.shape[0]
 
 
 class Transformer:
@@ -254,6 +316,7 @@ class Transformer:
         self.sin_signed = signed_sin(self.sin)  # the decoding path's table (`rope_rows`)
         self.cache = self.new_cache()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._batch_invariant: bool | None = None
         # Last-bit differences between a 1-row step and a k-row verification can turn into different
         # tokens (quantised activations often do); on the CPU the few-row layers and the attention of
         # `qgemm.cpp` compute each row alone, so both score a token alike (fbgemm's fp16 layers are used
@@ -381,30 +444,83 @@ class Transformer:
         *input* hidden states to return (num_layers means the final normed state).
         """
         cache = self.cache if cache is None else cache
-        n = tokens.shape[0] if embeds is None else embeds.shape[0]
-        start = cache.length
-        if start + n > cache.size:
-            raise ContextLengthError(f"context full: {start} + {n} tokens exceed the {cache.size}-token cache")
-        if positions is None:
-            positions = torch.arange(start, start + n, device=self.device)
-        cos, sin_signed = self.cos[positions], self.sin_signed[positions]
-        mask = None
-        if n > 1 or tree_mask is not None:
-            new = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            seen = torch.ones(n, start + n - new.shape[1], dtype=torch.bool, device=self.device)
-            mask = torch.cat([seen, new.to(self.device)], 1)
-        x = self.embed[tokens] if embeds is None else embeds
+        return self.forward_batch([Rows(tokens, cache, positions, tree_mask, logits_rows, hidden_layers, embeds)])[0]
+
+    def batch_invariant(self) -> bool:
+        """Whether a pass over several sequences gives each the bits of a pass over it alone, so that
+        `forward_batch` may stack them. The quantised kernels and the few-row fp16 kernel compute a row
+        the same whatever rows share the call; fbgemm's fp16 kernel is checked once per model (its rows
+        are then stacked too, else its calls stay per sequence); fp32 (MKL pads and blocks rows) and
+        accelerators are not batched: their sequences run one after another."""
+        if self._batch_invariant is None:
+            ok = self.device.type == "cpu" and self.weights != "fp32"
+            packed = [lin for lin in self.linears() if lin.packed is not None]  # fp16 (also a layer int4 cannot take)
+            if ok and packed:
+                gen = torch.Generator().manual_seed(0)
+                for lin in {(lin.out_features, lin.in_features): lin for lin in packed}.values():
+                    x = torch.randn(40, lin.in_features, generator=gen)
+                    whole = torch.ops.quantized.linear_dynamic_fp16(x, lin.packed)
+                    parts = [torch.ops.quantized.linear_dynamic_fp16(x[a:b].contiguous(), lin.packed)
+                             for a, b in ((0, 1), (1, 9), (9, 40))]
+                    independent = torch.equal(whole, torch.cat(parts))
+                    for same in packed:
+                        if (same.out_features, same.in_features) == (lin.out_features, lin.in_features):
+                            same.fbgemm_rows_independent = independent
+            self._batch_invariant = ok
+        return self._batch_invariant
+
+    @torch.inference_mode()
+    def forward_batch(self, seqs: list[Rows]) -> list[ForwardOut]:
+        """One pass over the new rows of several sequences, each on its own cache with its own positions
+        and tree mask: the linear layers see all rows stacked ([R, D]), attention runs per sequence over
+        its own cache. A sequence's outputs are bit-identical to `forward` on it alone (`batch_invariant`;
+        where that cannot hold the sequences run one after another)."""
+        if len(seqs) > 1 and not self.batch_invariant():
+            return [self.forward_batch([s])[0] for s in seqs]
+        counts = [s.n for s in seqs]
+        masks, cos, sin = [], [], []
+        for s, n in zip(seqs, counts, strict=True):
+            start = s.cache.length
+            if start + n > s.cache.size:
+                raise ContextLengthError(f"context full: {start} + {n} tokens exceed the {s.cache.size}-token cache")
+            s.cache.reserve(start + n)
+            positions = torch.arange(start, start + n, device=self.device) if s.positions is None else s.positions
+            cos.append(self.cos[positions])
+            sin.append(self.sin_signed[positions])
+            mask = None
+            if n > 1 or s.tree_mask is not None:
+                new = s.tree_mask if s.tree_mask is not None else \
+                    torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+                seen = torch.ones(n, start + n - new.shape[1], dtype=torch.bool, device=self.device)
+                mask = torch.cat([seen, new.to(self.device)], 1)
+            masks.append(mask)
+        one = len(seqs) == 1
+        cos_all = cos[0] if one else torch.cat(cos)
+        sin_all = sin[0] if one else torch.cat(sin)
+        embeds = [self.embed[s.tokens] if s.embeds is None else s.embeds for s in seqs]
+        x = embeds[0] if one else torch.cat(embeds)
+        wanted = {i for s in seqs for i in s.hidden_layers}
         hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            if i in hidden_layers:
+            if i in wanted:
                 hidden[i] = x
-            x = self.layer_forward(i, layer, x, cos, sin_signed, mask, cache)
+            x = self.layer_forward(i, layer, x, cos_all, sin_all, seqs, counts, masks)
         x = rms_norm_rows(x, self.norm, self.cfg.rms_eps)
-        if self.cfg.num_layers in hidden_layers:
+        if self.cfg.num_layers in wanted:
             hidden[self.cfg.num_layers] = x
-        rows = x if logits_rows is None else x[logits_rows]
-        logits = self.lm_head(rows.contiguous()) if rows.shape[0] else None
-        return ForwardOut(logits, hidden)
+        outs, rows, heads, start = [], [], [], 0
+        for s, n in zip(seqs, counts, strict=True):
+            mine = x[start:start + n]
+            r = mine if s.logits_rows is None else mine[s.logits_rows]
+            rows.append(r)
+            heads.append(r.shape[0])
+            outs.append(ForwardOut(None, {k: h[start:start + n] for k, h in hidden.items() if k in s.hidden_layers}))
+            start += n
+        if sum(heads):
+            logits = self.lm_head((rows[0] if one else torch.cat(rows)).contiguous(), heads)
+            for out, piece in zip(outs, logits.split(heads), strict=True):
+                out.logits = piece if piece.shape[0] else None
+        return outs
 
     def layer_forward(
         self,
@@ -413,32 +529,42 @@ class Transformer:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin_signed: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache,
+        seqs: list[Rows],
+        counts: list[int],
+        masks: list[torch.Tensor | None],
     ) -> torch.Tensor:
+        """Layer i over the stacked rows x [R, D] of `seqs` (`counts` rows each, `masks` theirs)."""
         cfg = self.cfg
-        start = cache.length
-        n = x.shape[0]
+        R = x.shape[0]
         h = rms_norm_rows(x, layer.ln1, cfg.rms_eps)
-        q, k, v = layer.project_qkv(h)
-        q = q.reshape(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        q, k = rope_rows(q, cos, sin_signed), rope_rows(k, cos, sin_signed)
-        end = start + n
-        cache.k[i, :, start:end] = k
-        cache.v[i, :, start:end] = v
-        # SDPA is faster at prefill; fp16 layers beyond FEW_ROWS are fbgemm's and not row-invariant anyway,
-        # while the quantised layers are at every row count
-        if self.row_invariant and (n <= FEW_ROWS or self.weights in QUANTISED):
-            att = self.kernels.attention(q, cache.k[i], cache.v[i], end, mask, self.scale)
-        else:
-            att = F.scaled_dot_product_attention(
-                q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end],
-                attn_mask=mask, scale=self.scale, enable_gqa=True,
-            )[0]
-        x = x + layer.o(att.transpose(0, 1).reshape(n, -1))
-        return x + layer.mlp(rms_norm_rows(x, layer.ln2, cfg.rms_eps))
+        q, k, v = layer.project_qkv(h, counts)
+        # RoPE on all rows at once ([R, heads, d] against [R, 1, d] tables): elementwise, so per row the
+        # same bits as on one sequence's rows
+        q = rope_rows(q.reshape(R, cfg.num_heads, cfg.head_dim), cos[:, None], sin_signed[:, None])
+        k = rope_rows(k.reshape(R, cfg.num_kv_heads, cfg.head_dim), cos[:, None], sin_signed[:, None])
+        v = v.reshape(R, cfg.num_kv_heads, cfg.head_dim)
+        atts, a = [], 0
+        for s, n, mask in zip(seqs, counts, masks, strict=True):
+            cache, b = s.cache, a + n
+            start = cache.length
+            end = start + n
+            cache.k[i, :, start:end] = k[a:b].transpose(0, 1)
+            cache.v[i, :, start:end] = v[a:b].transpose(0, 1)
+            qs = q[a:b].transpose(0, 1)
+            # SDPA is faster at prefill; fp16 layers beyond FEW_ROWS are fbgemm's and not row-invariant anyway,
+            # while the quantised layers are at every row count
+            if self.row_invariant and (n <= FEW_ROWS or self.weights in QUANTISED):
+                att = self.kernels.attention(qs, cache.k[i], cache.v[i], end, mask, self.scale)
+            else:
+                att = F.scaled_dot_product_attention(
+                    qs[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end],
+                    attn_mask=mask, scale=self.scale, enable_gqa=True,
+                )[0]
+            atts.append(att.transpose(0, 1).reshape(n, -1))
+            a = b
+        att = atts[0] if len(atts) == 1 else torch.cat(atts)
+        x = x + layer.o(att, counts)
+        return x + layer.mlp(rms_norm_rows(x, layer.ln2, cfg.rms_eps), counts)
 
     # ---------------------------------------------------------------- the model's own cache
     def advance(self, n: int) -> None:
@@ -458,16 +584,20 @@ class Transformer:
 
     # ---------------------------------------------------------------- helpers
     def prefill(self, tokens: list[int] | torch.Tensor, hidden_layers: tuple[int, ...] = (),
-                chunk: int = 512, cache: KVCache | None = None) -> ForwardOut:
-        """Append a prompt (in chunks, to bound attention memory) and return the last row's logits."""
+                chunk: int = PREFILL_CHUNK, cache: KVCache | None = None,
+                run: Callable[[Rows], ForwardOut] | None = None) -> ForwardOut:
+        """Append a prompt in chunks of `chunk` rows (bounding attention memory, and in a batched server the
+        time one prompt holds a pass) and return the last row's logits; `run`: how a pass is run (default
+        alone; a `Scheduler` batches it with other sequences')."""
         cache = self.cache if cache is None else cache
+        run = run or (lambda rows: self.forward_batch([rows])[0])
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         outs: list[ForwardOut] = []
         for s in range(0, tokens.shape[0], chunk):
             piece = tokens[s:s + chunk]
             last = s + chunk >= tokens.shape[0]
-            out = self.forward(piece, logits_rows=slice(-1, None) if last else slice(0, 0),
-                               hidden_layers=hidden_layers, cache=cache)
+            out = run(Rows(piece, cache, logits_rows=slice(-1, None) if last else slice(0, 0),
+                           hidden_layers=hidden_layers))
             cache.advance(piece.shape[0])
             outs.append(out)
         hidden = {k: torch.cat([o.hidden[k] for o in outs]) for k in outs[-1].hidden}

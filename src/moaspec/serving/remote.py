@@ -233,6 +233,14 @@ class RemoteTarget:
     def verify(self, tree: Tree) -> Step:
         return self._step(pack(tree_to_wire(tree)))
 
+    def release(self) -> None:
+        """Tell the server the generation ended, so it frees the session's memory now (no answer comes)."""
+        if self.ws is not None:
+            try:
+                self._send(pack({"type": "end"}))
+            except TargetUnavailable:
+                pass
+
     def ping(self) -> float:
         """One round trip, in ms."""
         t = time.perf_counter()

@@ -1,0 +1,160 @@
+"""Continuous batching: one model, many sequences, one forward pass at a time over all their rows.
+
+The server's step, after llama-server's `update_slots()` (DESIGN.md, "Many sessions, one model"): every
+sequence with work (a prompt chunk, a draft tree, a single token) hands its rows to `Scheduler.run`
+from its own thread and blocks; the scheduler's thread gathers what waits into one
+`Transformer.forward_batch` (bounded rows per pass, first come first served, so no sequence waits more
+passes than there are sequences ahead of it), and hands each sequence its slice of the outputs. Each
+sequence then verifies, commits and drafts on its own thread while the next pass runs for the others.
+Batch invariance (`Transformer.batch_invariant`) makes a sequence's outputs the same bits as alone, so
+batching never changes a token.
+
+After a pass, the sequences it served are expected back soon (they verify and draft, then submit
+again): the next pass waits for them up to `gather_ms`, so that they share it rather than alternate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from moaspec.errors import ContextLengthError, UserError
+from moaspec.models.runtime import ForwardOut, Rows, Transformer
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the histogram of rows per pass
+
+
+@dataclass
+class SchedulerStats:
+    """What the scheduler has done (read by the servers' /metrics)."""
+
+    passes: int = 0
+    rows: int = 0
+    sequences: int = 0  # sequence slots over all passes (a pass over 3 sequences counts 3)
+    busy_s: float = 0.0  # time spent in passes
+    rows_per_pass: Counter = field(default_factory=Counter)  # bucket (ROW_BUCKETS, +inf) -> passes
+    seqs_per_pass: Counter = field(default_factory=Counter)
+    max_wait_passes: int = 0  # the most passes any item waited in the queue before its own
+
+
+@dataclass(eq=False)
+class _Item:
+    rows: Rows
+    owner: object
+    future: Future = field(default_factory=Future)
+    queued_at_pass: int = 0
+
+
+class Scheduler:
+    """Runs the forward passes of every sequence of one model in one thread, batched."""
+
+    def __init__(self, model: Transformer, max_rows: int = 256, gather_ms: float = 5.0):
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise UserError(f"max_rows must be a positive integer, got {max_rows!r}")
+        if not gather_ms >= 0:
+            raise UserError(f"gather_ms must be >= 0, got {gather_ms!r}")
+        self.model = model
+        self.max_rows = max_rows
+        self.gather_s = gather_ms / 1e3
+        self.stats = SchedulerStats()
+        self._queue: deque[_Item] = deque()
+        self._expected: set[int] = set()  # owners served by the last pass, not back yet
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="moaspec-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def batched(self) -> bool:
+        """Whether passes really stack sequences (else they run one after another inside a pass)."""
+        return self.model.batch_invariant()
+
+    def run(self, rows: Rows, owner: object) -> ForwardOut:
+        """The outputs of `rows` (one sequence's, `owner` its session), from the next pass that has room."""
+        return self.submit(rows, owner).result()
+
+    def submit(self, rows: Rows, owner: object) -> Future:
+        cache = rows.cache
+        if cache.length + rows.n > cache.size:
+            raise ContextLengthError(f"context full: {cache.length} + {rows.n} tokens exceed the "
+                                     f"{cache.size}-token cache")
+        if rows.n > self.max_rows:
+            raise UserError(f"{rows.n} rows in one pass; this scheduler runs at most {self.max_rows}")
+        item = _Item(rows, owner)
+        with self._cond:
+            if self._closed:
+                raise UserError("the scheduler is shut down")
+            item.queued_at_pass = self.stats.passes
+            self._queue.append(item)
+            self._expected.discard(id(owner))
+            self._cond.notify_all()
+        return item.future
+
+    def leave(self, owner: object) -> None:
+        """`owner` will send nothing more for now (its generation ended or paused): do not wait for it."""
+        with self._cond:
+            self._expected.discard(id(owner))
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        for item in list(self._queue):
+            item.future.set_exception(UserError("the scheduler shut down"))
+        self._queue.clear()
+
+    # ------------------------------------------------------------------ the loop
+    def _gather(self) -> list[_Item] | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            deadline = time.perf_counter() + self.gather_s
+            while self._expected and not self._closed:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            batch, rows = [], 0
+            while self._queue and (not batch or rows + self._queue[0].rows.n <= self.max_rows):
+                item = self._queue.popleft()
+                batch.append(item)
+                rows += item.rows.n
+            return batch
+
+    def _loop(self) -> None:
+        while (batch := self._gather()) is not None:
+            t = time.perf_counter()
+            try:
+                outs = self.model.forward_batch([item.rows for item in batch])
+            except Exception:  # one sequence's bad rows must not fail the others: run each alone
+                outs = None
+            for i, item in enumerate(batch):
+                if outs is not None:
+                    item.future.set_result(outs[i])
+                    continue
+                try:
+                    item.future.set_result(self.model.forward_batch([item.rows])[0])
+                except Exception as e:
+                    item.future.set_exception(e)
+            s = self.stats
+            s.busy_s += time.perf_counter() - t
+            rows = sum(item.rows.n for item in batch)
+            s.rows_per_pass[next((b for b in ROW_BUCKETS if rows <= b), float("inf"))] += 1
+            s.seqs_per_pass[len(batch)] += 1
+            s.max_wait_passes = max(s.max_wait_passes, *(s.passes - item.queued_at_pass for item in batch))
+            s.passes += 1
+            s.rows += rows
+            s.sequences += len(batch)
+            with self._cond:
+                self._expected = {id(item.owner) for item in batch} - {id(i.owner) for i in self._queue}
