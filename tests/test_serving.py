@@ -34,7 +34,7 @@ from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import weights_fingerprint
 from moaspec.pipeline import SpecDecoder
-from moaspec.serving.protocol import ENDPOINT, Limits, pack, unpack
+from moaspec.serving.protocol import ENDPOINT, Busy, Limits, pack, unpack
 from moaspec.serving.remote import RemoteTarget, TargetUnavailable
 from moaspec.serving.shaping import ShapingProxy
 from moaspec.serving.target_server import TargetServer, load_encoders
@@ -198,8 +198,10 @@ def test_sessions_per_token_are_bounded_and_isolated(served, smol_tokenizer, dec
     time.sleep(0.3)  # let earlier tests' sessions close
     a, b = _raw(run), _raw(run)
     c = _raw(run)
-    with pytest.raises(UserError, match="at most 3 open sessions"):  # the fourth is refused, and told why
-        RemoteTarget(run.url, TOKEN)
+    t0 = time.monotonic()
+    with pytest.raises(Busy, match="this token has 3 sessions open") as refused:  # the fourth: told to retry
+        RemoteTarget(run.url, TOKEN, busy_timeout_s=2.0)
+    assert refused.value.retry_after > 0 and time.monotonic() - t0 < 2.0  # not worth waiting for: said at once
     # two sessions on one set of weights, interleaved, each sees only its own cache
     pa, pb = smol_tokenizer.encode("The capital of France is"), smol_tokenizer.encode("def fibonacci(n):")
     sa, sb = _ask(a, pack({"type": "start", "prompt": pa})), _ask(b, pack({"type": "start", "prompt": pb}))

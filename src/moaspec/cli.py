@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_threads_arg(st)
     st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     st.add_argument("--port", type=int, default=8765)
-    st.add_argument("--token-file", metavar="PATH", help="file whose first line is the bearer token clients must "
-                    "send (default: $MOASPEC_TOKEN)")
+    st.add_argument("--token-file", metavar="PATH", help="file of the bearer tokens clients may send, one per line, "
+                    "each with its own session limit (default: $MOASPEC_TOKEN)")
+    _add_tls_args(st)
     st.add_argument("--drafter-path", metavar="LABEL=DIR", action="append", default=[],
                     help="a drafter checkpoint whose target-side encoder to offer (repeatable; default: every "
                          "drafter shipped for the target)")
@@ -99,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--max-context", type=int, default=lim.max_seq_len, help="KV-cache size per session")
     st.add_argument("--max-tree-tokens", type=int, default=lim.max_tree_tokens, help="nodes of one draft tree")
     st.add_argument("--max-sessions", type=int, default=lim.max_sessions, help="open sessions per token")
+    st.add_argument("--max-connections", type=int, default=lim.max_connections, help="open sessions in all")
+    st.add_argument("--kv-memory-mb", type=int, default=lim.kv_memory_mb, help="KV-cache memory of the generations "
+                    "in progress: each reserves what its prompt + max_new_tokens may fill; the rest wait")
+    st.add_argument("--max-waiting", type=int, default=lim.max_waiting, help="generations queued for memory; "
+                    "beyond, a start is told to retry")
+    st.add_argument("--max-batch-rows", type=int, default=lim.max_batch_rows, help="rows of one batched pass")
+    st.add_argument("--gather-ms", type=float, default=lim.gather_ms, help="how long a pass waits for the "
+                    "sessions the last one served")
     st.add_argument("--idle-timeout", type=float, default=lim.idle_timeout_s, help="seconds before an idle "
                     "session is closed")
     st.set_defaults(func=cmd_serve_target)
@@ -246,6 +255,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "token (default: $MOASPEC_TOKEN)")
     g.add_argument("--wire", default="fp16", choices=WIRE_DTYPES,
                    help="--target: precision of the drafter context the server sends back")
+    g.add_argument("--ca-file", metavar="PATH", help="--target wss://: the CA (or self-signed certificate) the "
+                   "server's certificate is checked against (default: the system's)")
     g.add_argument("--max-context", type=int, default=4096, metavar="N",
                    help="KV-cache size in tokens (prompt + new tokens); capped by the model's own limit")
     t = p.add_argument_group("draft tree (EAGLE-2 shape); default: calibrated to this machine's verify cost "
@@ -411,16 +422,38 @@ def _load_decoder(args: argparse.Namespace, tree: TreeConfig):
                        drafter_path=args.drafter_path, weights=args.weights,
                        tree=tree, max_seq_len=args.max_context,
                        hybrid_model=args.hybrid_model, hybrid_policy=args.hybrid_policy,
-                       target_url=args.target, token=token, wire=args.wire, datastore=args.datastore)
+                       target_url=args.target, token=token, wire=args.wire, datastore=args.datastore,
+                       ca_file=args.ca_file)
+
+
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ssl-certfile", metavar="PATH", help="serve over TLS (wss:// / https://) with this certificate "
+                   "chain, so that bearer tokens never cross a network in clear")
+    p.add_argument("--ssl-keyfile", metavar="PATH", help="the certificate's private key")
+
+
+def _tls(args: argparse.Namespace) -> dict[str, str]:
+    """uvicorn's TLS settings from --ssl-certfile/--ssl-keyfile (both or neither, readable)."""
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise UserError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    if not args.ssl_certfile:
+        return {}
+    for path in (args.ssl_certfile, args.ssl_keyfile):
+        if not Path(path).is_file():
+            raise UserError(f"no such file: {path}")
+    return {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
 
 
 def cmd_serve_target(args: argparse.Namespace) -> int:
-    from moaspec.serving.remote import read_token
+    from moaspec.serving.remote import read_tokens
 
-    token = read_token(args.token_file)
+    tokens = read_tokens(args.token_file)
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_seq_len=args.max_context,
                     max_tree_tokens=args.max_tree_tokens, max_sessions=args.max_sessions,
+                    max_connections=args.max_connections, kv_memory_mb=args.kv_memory_mb,
+                    max_waiting=args.max_waiting, max_batch_rows=args.max_batch_rows, gather_ms=args.gather_ms,
                     idle_timeout_s=args.idle_timeout)
+    tls = _tls(args)
     folders = None
     if args.drafter_path:
         folders = {}
@@ -439,10 +472,12 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     dec = SpecDecoder(args.model, drafter="none", weights=args.weights, max_seq_len=args.max_context)
     fp = weights_fingerprint(dec.folder)
     encoders = load_encoders(dec.target, args.model, fp, folders)
-    server = TargetServer(dec.target, args.model, fp, token, encoders, limits, dec.pass_costs())
-    print(f"serving {args.model} ({args.weights}) on ws://{args.host}:{args.port} with "
-          f"{len(encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
-    serve(server, args.host, args.port)
+    server = TargetServer(dec.target, args.model, fp, tokens, encoders, limits, dec.pass_costs())
+    batched = "batched passes" if dec.target.batch_invariant() else \
+        "passes one session at a time (fp32 is not batch-invariant: use --weights fp16/int8/int4 to batch)"
+    print(f"serving {args.model} ({args.weights}, {batched}) on {'wss' if tls else 'ws'}://{args.host}:{args.port} "
+          f"with {len(encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
+    serve(server, args.host, args.port, **tls)
     return 0
 
 

@@ -103,12 +103,14 @@ class SpecDecoder:
         target_timeout_s: float = 30.0,
         threads: int | str | None = None,
         datastore: str | None = None,
+        ca_file: str | None = None,
     ):
         """`threads`: the kernels' thread count for this process (an int, "auto" = the cores idle now, None =
         leave it as it is). `target_url` (with the server's bearer `token`): verify on a `moaspec
         serve-target` server and keep only the drafter and the target parts it shares (embedding, LM head)
         here; `wire` is the dtype of the drafter context sent back (fp16, fp32, int8); a call unanswered
-        for `target_timeout_s` counts as a disconnection."""
+        for `target_timeout_s` counts as a disconnection; `ca_file`: the CA a wss:// server's certificate is
+        checked against (default: the system's)."""
         t = time.perf_counter()
         if threads is not None:
             set_threads(None if threads == "auto" else threads)
@@ -120,10 +122,11 @@ class SpecDecoder:
             self.target: Transformer | PartialTarget = Transformer(self.folder, weights=weights, device=device,
                                                                    max_seq_len=max_seq_len)
         else:
-            from moaspec.serving.remote import RemoteTarget, read_token
+            from moaspec.serving.remote import RemoteTarget, client_tls, read_token
 
             self.target = PartialTarget(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
-            self.remote = RemoteTarget(target_url, token or read_token(), wire=wire, timeout_s=target_timeout_s)
+            self.remote = RemoteTarget(target_url, token or read_token(), wire=wire, timeout_s=target_timeout_s,
+                                       fingerprint=weights_fingerprint(self.folder), ssl_context=client_tls(ca_file))
             if self.remote.model != model or self.remote.fingerprint != weights_fingerprint(self.folder):
                 raise UserError(f"the server at {target_url} serves {self.remote.model!r} (weights "
                                 f"{self.remote.fingerprint}), not this client's {model!r}: draft for the same target")

@@ -143,7 +143,7 @@ class Engine:
         m = self.metrics = Metrics(prompt_tokens=len(prompt))
         eos = () if cfg.ignore_eos else self.target.eos_token_ids
         t0 = time.perf_counter()
-        step = self.target.start(prompt, cfg.sampling)
+        step = self.target.start(prompt, cfg.sampling, cfg.max_new_tokens)
         length = step.length
         m.prefill_s = time.perf_counter() - t0
         if self.drafter is not None:
@@ -264,7 +264,8 @@ class Engine:
         m.reconnects += 1
         base = prompt + out
         keep = cfg.resync == "keep"
-        step = self.target.start(base + unverified if keep else base, cfg.sampling)
+        step = self.target.start(base + unverified if keep else base, cfg.sampling,
+                                 cfg.max_new_tokens - len(out), resume=True)
         if self.drafter is not None:
             self.drafter.begin(base + unverified if keep else base, step.context)
         if keep:

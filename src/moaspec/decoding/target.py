@@ -91,7 +91,13 @@ class TargetSide(Protocol):
     eos_token_ids: tuple[int, ...]
     max_seq_len: int
 
-    def start(self, prompt: list[int], params: SamplingParams) -> Step: ...
+    def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
+              resume: bool = False) -> Step:
+        """Prefill a prompt and give the first token; `max_new_tokens`: at most how many tokens follow (a
+        server sizes the generation's memory by it); `resume`: the prompt is a generation's prompt and
+        verified output, started again after the target went away (a server then takes it up to its
+        whole context, not only its longest new prompt)."""
+        ...
 
     def verify(self, tree: Tree) -> Step: ...
 
@@ -170,7 +176,8 @@ class LocalTarget:
     def _step(self, verdict: Verdict, context: Context | None, t0: float) -> Step:
         return Step(verdict, context, self.cache.length, (time.perf_counter() - t0) * 1e3)
 
-    def start(self, prompt: list[int], params: SamplingParams) -> Step:
+    def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
+              resume: bool = False) -> Step:
         t0 = time.perf_counter()
         if not prompt:
             raise UserError("the prompt is empty")

@@ -7,14 +7,19 @@ it reaches the model, so a malformed one is an `ProtocolError` answered with an 
 
 Client -> server:
 - {"type": "start", "prompt": [ids], "sampling": {temperature, top_p, top_k, seed},
-   "encoder": null | {"kind": "moa", "id": "<hash of its weights>"}, "wire": "fp16" | "fp32" | "int8"}
+   "encoder": null | {"kind": "moa", "id": "<hash of its weights>"}, "wire": "fp16" | "fp32" | "int8",
+   "max_new_tokens": int (optional: sizes the session's memory; default the server's context),
+   "resume": bool (optional: the prompt is a generation resumed after a cut, up to the whole context)}
 - {"type": "verify", "tokens": [ids], "parents": [ints], "dists": {"<node>": [[ids], [probs]]}}
+- {"type": "end"}: the generation is over, free its memory (no answer)
 - {"type": "ping"}
 Server -> client:
 - {"type": "ready", "model", "fingerprint", "max_seq_len", "eos", "pass_costs", "encoders", "limits"}
   on connect
+- {"type": "queued", "position"}: a start waits for memory (sent every few seconds until it runs)
 - {"type": "step", "path", "accepted", "bonus", "length", "target_ms"} + context bytes
-- {"type": "pong"}, {"type": "error", "message", "fatal"}
+- {"type": "pong"}, {"type": "error", "message", "fatal", "busy", "retry_after"}: `busy` errors (the server
+  is full: too many sessions or generations waiting) say when to try again
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import DraftDist, Tree
 from moaspec.errors import UserError
+from moaspec.models.runtime import PREFILL_CHUNK
 
 ENDPOINT = "/v1/target"  # the WebSocket path of a target session
 HEADER = struct.Struct("<I")
@@ -36,6 +42,14 @@ MAX_HEADER = 1 << 20  # a header over 1 MiB is not a message of this protocol
 
 class ProtocolError(UserError):
     """A message that breaks the protocol or the server's limits (the server answers it, never crashes)."""
+
+
+class Busy(UserError):
+    """The server is full for now (sessions, or generations waiting for memory): retry after `retry_after` s."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 def pack(header: dict[str, Any], body: bytes = b"") -> bytes:
@@ -54,6 +68,8 @@ def unpack(frame: bytes | str) -> tuple[dict[str, Any], bytes]:
         header = json.loads(bytes(frame[HEADER.size:HEADER.size + n]))
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"the header is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("the header nests too deeply") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
         raise ProtocolError("the header must be a JSON object with a string 'type'")
     return header, bytes(frame[HEADER.size + n:])
@@ -61,24 +77,37 @@ def unpack(frame: bytes | str) -> tuple[dict[str, Any], bytes]:
 
 @dataclass(frozen=True)
 class Limits:
-    """What one client may ask of a target server."""
+    """What clients may ask of a target server. Generations in progress are bounded by memory: each
+    reserves the KV cache its prompt + max_new_tokens (+ a tree) can fill, out of `kv_memory_mb`; a
+    start that does not fit waits (FIFO, at most `max_waiting`), beyond that it is told to retry."""
 
     max_prompt_tokens: int = 3072
     max_seq_len: int = 4096  # prompt + generated tokens + one tree, per session
     max_tree_tokens: int = 128  # nodes of one draft tree, the root included
-    max_sessions: int = 4  # open sessions per bearer token
-    idle_timeout_s: float = 300.0  # a session without a message for this long is closed
+    max_sessions: int = 64  # open sessions (connections) per bearer token
+    max_connections: int = 256  # open sessions in all
+    kv_memory_mb: int = 2048  # KV caches of the generations in progress
+    max_waiting: int = 64  # starts queued for memory
+    max_batch_rows: int = 256  # rows of one batched pass (a whole prompt chunk or tree always fits)
+    gather_ms: float = 5.0  # how long a pass waits for the sessions the last one served
+    idle_timeout_s: float = 300.0  # a session without a start or verify for this long is closed
     max_message_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_seq_len", "max_tree_tokens", "max_sessions", "max_message_bytes"):
+        for name in ("max_prompt_tokens", "max_seq_len", "max_tree_tokens", "max_sessions", "max_connections",
+                     "kv_memory_mb", "max_waiting", "max_batch_rows", "max_message_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise UserError(f"server limit {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_prompt_tokens >= self.max_seq_len:
             raise UserError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_seq_len "
                             f"({self.max_seq_len})")
+        if self.max_batch_rows < max(self.max_tree_tokens, PREFILL_CHUNK):
+            raise UserError(f"max_batch_rows ({self.max_batch_rows}) must hold a whole tree "
+                            f"({self.max_tree_tokens}) and a prompt chunk ({PREFILL_CHUNK})")
         if not self.idle_timeout_s > 0:
             raise UserError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if not self.gather_ms >= 0:
+            raise UserError(f"gather_ms must be >= 0, got {self.gather_ms}")
 
 
 def _ints(value: Any, name: str, lo: int, hi: int, max_len: int) -> list[int]:
@@ -90,11 +119,17 @@ def _ints(value: Any, name: str, lo: int, hi: int, max_len: int) -> list[int]:
 
 
 def check_prompt(header: dict[str, Any], vocab: int, limits: Limits) -> list[int]:
+    """A start's prompt: at most `max_prompt_tokens`, or for a resumed generation ("resume": true, its prompt
+    and verified output after a cut) what the context holds with room for a token."""
     prompt = header.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > limits.max_prompt_tokens:
-        raise ProtocolError(f"the prompt has {len(prompt)} tokens; this server takes at most "
-                            f"{limits.max_prompt_tokens}")
-    return _ints(prompt, "prompt", 0, vocab, limits.max_prompt_tokens)
+    resume = header.get("resume", False)
+    if type(resume) is not bool:
+        raise ProtocolError("'resume' must be true or false")
+    bound = limits.max_seq_len - 1 if resume else limits.max_prompt_tokens
+    if isinstance(prompt, list) and len(prompt) > bound:
+        raise ProtocolError(f"the prompt has {len(prompt)} tokens; this server takes at most {bound}"
+                            + (" (a resumed generation: its context)" if resume else ""))
+    return _ints(prompt, "prompt", 0, vocab, bound)
 
 
 def sampling_to_wire(p: SamplingParams) -> dict[str, Any]:

@@ -9,6 +9,7 @@ turns into drafter-only generation while `reconnect_in_background` opens a new s
 from __future__ import annotations
 
 import os
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -23,26 +24,45 @@ from moaspec.decoding.target import Step, TargetUnavailable
 from moaspec.decoding.tree import Tree
 from moaspec.decoding.verify import Verdict
 from moaspec.errors import UserError
-from moaspec.serving.protocol import ENDPOINT, pack, sampling_to_wire, tree_to_wire, unpack
+from moaspec.serving.protocol import ENDPOINT, Busy, pack, sampling_to_wire, tree_to_wire, unpack
 
 TOKEN_ENV = "MOASPEC_TOKEN"
 
 
-def read_token(token_file: str | None = None) -> str:
-    """The bearer token: the first line of `token_file`, else $MOASPEC_TOKEN; UserError if neither."""
+def read_tokens(token_file: str | None = None) -> list[str]:
+    """Bearer tokens: the non-empty lines of `token_file` (a server may take several, each with its own
+    session limit), else $MOASPEC_TOKEN; UserError if neither."""
     if token_file:
         try:
-            lines = Path(token_file).read_text().strip().splitlines()
+            lines = Path(token_file).read_text().splitlines()
         except OSError as e:
             raise UserError(f"cannot read the token file {token_file}: {e.strerror}") from None
-        token = lines[0].strip() if lines else ""
-        if not token:
+        except UnicodeDecodeError:
+            raise UserError(f"the token file {token_file} is not text") from None
+        tokens = [line.strip() for line in lines if line.strip()]
+        if not tokens:
             raise UserError(f"the token file {token_file} is empty")
-        return token
+        return tokens
     token = os.environ.get(TOKEN_ENV, "").strip()
     if not token:
         raise UserError(f"no bearer token: pass --token-file or set {TOKEN_ENV}")
-    return token
+    return [token]
+
+
+def read_token(token_file: str | None = None) -> str:
+    """The bearer token a client sends: the first line of `token_file`, else $MOASPEC_TOKEN."""
+    return read_tokens(token_file)[0]
+
+
+def client_tls(ca_file: str | None) -> ssl.SSLContext | None:
+    """The TLS context of a wss:// client that trusts `ca_file` (a private CA or a self-signed server
+    certificate); None: the system's trust store."""
+    if ca_file is None:
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise UserError(f"cannot read the CA file {ca_file}: {e}") from None
 
 
 def target_url(url: str) -> str:
@@ -59,31 +79,54 @@ class RemoteTarget:
     """`decoding.target.TargetSide` for a target served by `moaspec serve-target`."""
 
     def __init__(self, url: str, token: str, encoder: str | None = None, wire: str = "fp16",
-                 timeout_s: float = 30.0, connect_timeout_s: float = 10.0):
+                 timeout_s: float = 30.0, connect_timeout_s: float = 10.0, busy_timeout_s: float = 300.0,
+                 fingerprint: str | None = None, ssl_context: ssl.SSLContext | None = None):
+        """`timeout_s`: a call unanswered this long counts as the server gone (a start waiting in the
+        server's queue is not: the server says so every few seconds); `busy_timeout_s`: how long to keep
+        asking a full server; `fingerprint`: the target weights this client drafts for, checked on every
+        (re)connection; `ssl_context`: for wss:// with a private CA (default: the system's)."""
         self.url, self.token, self.encoder, self.wire = target_url(url), token, encoder, wire
-        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.timeout_s, self.connect_timeout_s, self.busy_timeout_s = timeout_s, connect_timeout_s, busy_timeout_s
+        self.expected_fingerprint = fingerprint
+        self.ssl_context = ssl_context
         self.ws: ClientConnection | None = None
         self.info: dict[str, Any] = {}
         self.calls = 0
         self.bytes_out = 0
         self.bytes_in = 0
         self.reconnects = 0
+        self.queued = 0  # "queued" notes received (starts that waited for the server's memory)
         self._retry: threading.Thread | None = None
         self._fresh: tuple[ClientConnection, dict[str, Any]] | None = None
+        self._failed: Exception | None = None  # why reconnecting stopped for good
         self._stopping = threading.Event()
         self.connect()
 
     # ---------------------------------------------------------------- connection
     def connect(self) -> None:
-        """Open a session; checks the server's target and that it offers this drafter's encoder."""
+        """Open a session; checks the server's target and that it offers this drafter's encoder. A full
+        server is asked again when it says, for up to `busy_timeout_s`."""
         self.close()
-        self.ws, header = self._open()
+        self.ws, header = self._when_not_busy(self._open)
         self._ready(header)
+
+    def _when_not_busy(self, call):
+        until = time.monotonic() + self.busy_timeout_s
+        while True:
+            try:
+                return call()
+            except Busy as e:
+                if time.monotonic() + e.retry_after > until:
+                    raise
+                self._stopping.wait(e.retry_after)
+                if self._stopping.is_set():
+                    raise
 
     def _open(self) -> tuple[ClientConnection, dict[str, Any]]:
         try:
+            tls = {"ssl": self.ssl_context} if self.ssl_context is not None and self.url.startswith("wss://") else {}
             opening = connect(self.url, additional_headers={"Authorization": f"Bearer {self.token}"},
-                              open_timeout=self.connect_timeout_s, max_size=64 << 20, compression=None)
+                              open_timeout=self.connect_timeout_s, max_size=64 << 20, compression=None, **tls)
             ws = opening.__enter__()  # a connection that outlives this call; `close` ends it
         except InvalidStatus as e:
             code = e.response.status_code
@@ -101,40 +144,69 @@ class RemoteTarget:
         header, _ = unpack(frame)
         if header.get("type") != "ready":
             ws.close()
+            if header.get("busy"):
+                raise Busy(f"the target server at {self.url} is full: {header.get('message', '')}",
+                           _retry_after(header))
             raise UserError(f"{self.url} did not open a target session (got {header.get('type')!r}: "
                             f"{header.get('message', '')})")
         return ws, header
 
     def _ready(self, header: dict[str, Any]) -> None:
+        if self.expected_fingerprint is not None and header.get("fingerprint") != self.expected_fingerprint:
+            raise UserError(f"the server at {self.url} now serves {header.get('model')!r} with weights "
+                            f"{header.get('fingerprint')}, not the {self.expected_fingerprint} this client drafts for")
         self.info = header
         self.check_encoder()
         self.eos_token_ids = tuple(header["eos"])
         self.max_seq_len = int(header["max_seq_len"])
 
-    def reconnect_in_background(self, retry_s: float = 0.25) -> None:
-        """Drop the broken session and keep trying to open a new one in a thread (`available` picks it up)."""
+    def reconnect_in_background(self, retry_s: float = 0.25, max_retry_s: float = 5.0) -> None:
+        """Drop the broken session and keep trying to open a new one in a thread (`available` picks it up):
+        backing off from `retry_s` to `max_retry_s`, waiting as long as a full server asks, and giving up
+        on an answer that will not change (a refused token, another target): `available` then raises it."""
         self.close()
         if self._retry is not None and self._retry.is_alive():
             return
         self._fresh = None
+        self._failed = None
 
         def retry() -> None:
+            wait = retry_s
             while not self._stopping.is_set():
                 try:
-                    self._fresh = self._open()
+                    ws, header = self._open()
+                except Busy as e:
+                    self._stopping.wait(e.retry_after)
+                    continue
+                except TargetUnavailable:  # unreachable, reset by a proxy, a server still starting: again
+                    self._stopping.wait(wait)
+                    wait = min(max_retry_s, 2 * wait)
+                    continue
+                except Exception as e:  # a refusal that retrying cannot change
+                    self._failed = e
                     return
-                except Exception:  # unreachable, reset by a proxy, a server still starting: try again
-                    self._stopping.wait(retry_s)
+                if self._stopping.is_set():
+                    ws.close()
+                else:
+                    self._fresh = (ws, header)
+                return
 
         self._retry = threading.Thread(target=retry, name="moaspec-reconnect", daemon=True)
         self._retry.start()
 
     def available(self) -> bool:
+        if self.ws is None and self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
         if self.ws is None and self._fresh is not None:
             ws, header = self._fresh
             self._fresh = None
             self.ws = ws
-            self._ready(header)
+            try:
+                self._ready(header)
+            except UserError:
+                self.close()
+                raise
             self.reconnects += 1
         return self.ws is not None
 
@@ -161,9 +233,12 @@ class RemoteTarget:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Close the session and stop any reconnection attempts."""
+        """Close the session and stop any reconnection attempts (joining their thread: no session opened
+        after this returns)."""
         self._stopping.set()
         self.close()
+        if self._retry is not None:
+            self._retry.join(timeout=self.connect_timeout_s + 1)
         if self._fresh is not None:
             self._fresh[0].close()
             self._fresh = None
@@ -191,23 +266,29 @@ class RemoteTarget:
         self.bytes_out += len(frame)
 
     def _recv(self) -> tuple[dict[str, Any], bytes]:
-        if self.ws is None:
-            raise TargetUnavailable("not connected to the target server")
-        try:
-            frame = self.ws.recv(timeout=self.timeout_s)
-        except TimeoutError:
-            self.close()
-            raise TargetUnavailable(f"the target server did not answer within {self.timeout_s:.1f} s") from None
-        except (ConnectionClosed, OSError) as e:
-            self.close()
-            raise TargetUnavailable(f"the target server connection broke: {e}") from None
-        self.bytes_in += len(frame)
-        header, body = unpack(frame)
-        if header["type"] == "error":
-            if header.get("fatal"):
+        while True:
+            if self.ws is None:
+                raise TargetUnavailable("not connected to the target server")
+            try:
+                frame = self.ws.recv(timeout=self.timeout_s)
+            except TimeoutError:
                 self.close()
-            raise UserError(f"target server: {header.get('message')}")
-        return header, body
+                raise TargetUnavailable(f"the target server did not answer within {self.timeout_s:.1f} s") from None
+            except (ConnectionClosed, OSError) as e:
+                self.close()
+                raise TargetUnavailable(f"the target server connection broke: {e}") from None
+            self.bytes_in += len(frame)
+            header, body = unpack(frame)
+            if header["type"] == "queued":  # a start waiting for room: the server is there, keep waiting
+                self.queued += 1
+                continue
+            if header["type"] == "error":
+                if header.get("fatal"):
+                    self.close()
+                if header.get("busy"):
+                    raise Busy(f"target server: {header.get('message')}", _retry_after(header))
+                raise UserError(f"target server: {header.get('message')}")
+            return header, body
 
     def _step(self, frame: bytes) -> Step:
         self._send(frame)
@@ -219,16 +300,22 @@ class RemoteTarget:
         verdict = Verdict(list(header["path"]), list(header["accepted"]), int(header["bonus"]))
         return Step(verdict, context, int(header["length"]), float(header["target_ms"]))
 
-    def start(self, prompt: list[int], params: SamplingParams) -> Step:
+    def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
+              resume: bool = False) -> Step:
         if not self.available():
             self.connect()
-        frame = pack({"type": "start", "prompt": list(prompt), "sampling": sampling_to_wire(params),
-                      "encoder": self.encoder, "wire": self.wire})
+        header = {"type": "start", "prompt": list(prompt), "sampling": sampling_to_wire(params),
+                  "encoder": self.encoder, "wire": self.wire}
+        if max_new_tokens is not None:
+            header["max_new_tokens"] = max_new_tokens
+        if resume:
+            header["resume"] = True
+        frame = pack(header)
         try:
-            return self._step(frame)
+            return self._when_not_busy(lambda: self._step(frame))
         except TargetUnavailable:  # e.g. the server closed the session while it sat idle: one new one
             self.connect()
-            return self._step(frame)
+            return self._when_not_busy(lambda: self._step(frame))
 
     def verify(self, tree: Tree) -> Step:
         return self._step(pack(tree_to_wire(tree)))
@@ -247,3 +334,8 @@ class RemoteTarget:
         self._send(pack({"type": "ping"}))
         self._recv()
         return (time.perf_counter() - t) * 1e3
+
+
+def _retry_after(header: dict[str, Any]) -> float:
+    value = header.get("retry_after", 1.0)
+    return float(value) if isinstance(value, (int, float)) and 0 < value <= 600 else 1.0

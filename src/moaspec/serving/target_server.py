@@ -7,8 +7,11 @@ handshake, and the same stack serves the OpenAI-compatible HTTP API. gRPC would 
 of generated stubs and an HTTP/2 stack that the shaping proxy and the API do not need.
 
 One set of weights serves every session; each session has its own KV cache (`KVCache`) and sampling
-state. The model runs one call at a time (a lock; on two CPU cores parallel passes only slow each
-other down), in a worker thread so the event loop keeps answering. Every message is checked
+state. Sessions' passes run together: a `Scheduler` stacks the waiting prompt chunks and draft trees of
+all sessions into one forward pass (continuous batching; each session's logits are the bits of a pass
+alone, so batching changes no token). A generation reserves the KV memory its prompt and
+max_new_tokens can fill (`Admission`); one that does not fit waits in a bounded queue and hears so
+("queued"), past that it is told to retry ("busy"), never refused for good. Every message is checked
 (`serving.protocol`) and bounded (`Limits`); a bad one gets an error frame, never a crash; a client can
 only reach its own session, since a session is its connection.
 """
@@ -27,17 +30,22 @@ from typing import Any
 
 import anyio
 import torch
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request, Response, WebSocket, WebSocketDisconnect
 
 from moaspec.decoding.context import WIRE_DTYPES
 from moaspec.decoding.context import encode as encode_context
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.scheduler import Scheduler
 from moaspec.decoding.target import ContextEncoder, LocalTarget, Step
 from moaspec.drafters import TRAINED, shipped_checkpoint
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
-from moaspec.models.runtime import Transformer
+from moaspec.models.runtime import KVCache, Transformer
+from moaspec.serving.admission import Admission
+from moaspec.serving.metrics import Rate, ServerCollector, exposition, registry
 from moaspec.serving.protocol import (
     ENDPOINT,
+    Busy,
     Limits,
     ProtocolError,
     check_prompt,
@@ -85,15 +93,17 @@ def load_encoders(model: Transformer, name: str, fingerprint: str,
 
 
 class Session:
-    """One client's generation state: its own KV cache over the shared weights."""
+    """One client's generation state: its own KV cache over the shared weights, sized by its request."""
 
     def __init__(self, server: TargetServer):
         self.server = server
         self.target: LocalTarget | None = None
-        self.cache = server.model.new_cache(server.limits.max_seq_len)
+        self.cache: KVCache | None = None
+        self.reserved: tuple[int, float] | None = None  # (bytes, granted at) of the generation in progress
         self.wire = "fp16"
 
-    def start(self, header: dict[str, Any]) -> Step:
+    def plan(self, header: dict[str, Any]) -> tuple[list[int], SamplingParams, ContextEncoder | None, int]:
+        """Check a start message: (prompt, sampling, encoder, the cache slots the generation may fill)."""
         srv = self.server
         prompt = check_prompt(header, srv.model.cfg.vocab_size, srv.limits)
         params = sampling_from_wire(header.get("sampling", {}))
@@ -108,8 +118,18 @@ class Session:
                                     f"{', '.join(srv.encoders) or 'none'} (use a drafter checkpoint the server "
                                     "loads, or a token-only drafter)")
             encoder = srv.encoders[eid]
+        limit = srv.limits.max_seq_len
+        new = header.get("max_new_tokens")
+        if new is not None and (type(new) is not int or new < 1):
+            raise ProtocolError("'max_new_tokens' must be a positive integer")
+        slots = limit if new is None else min(limit, len(prompt) + new + srv.limits.max_tree_tokens)
         self.wire = wire
-        self.target = LocalTarget(srv.model, encoder, cache=self.cache)
+        return prompt, params, encoder, slots
+
+    def start(self, prompt: list[int], params: SamplingParams, encoder: ContextEncoder | None, slots: int) -> Step:
+        srv = self.server
+        self.cache = srv.model.new_cache(slots)
+        self.target = LocalTarget(srv.model, encoder, cache=self.cache, scheduler=srv.scheduler)
         return self.target.start(prompt, params)
 
     def verify(self, header: dict[str, Any]) -> Step:
@@ -121,30 +141,60 @@ class Session:
                                 f"{self.cache.size}): start a new generation")
         return self.target.verify(tree)
 
+    def end(self) -> None:
+        """The generation is over: its cache goes, its reservation returns to the server."""
+        if self.target is not None:
+            self.target.release()
+        self.target = None
+        if self.cache is not None:
+            self.cache.release()
+            self.cache = None
+        if self.reserved is not None:
+            self.server.admission.release(*self.reserved)
+            self.reserved = None
+
     def reply(self, step: Step) -> bytes:
         v = step.verdict
+        self.server.tokens.add(len(v.new_tokens))
         body = encode_context(step.context, self.wire) if step.context is not None else b""
         return pack({"type": "step", "path": v.path, "accepted": v.accepted, "bonus": v.bonus,
                      "length": step.length, "target_ms": round(step.target_ms, 3)}, body)
 
 
 class TargetServer:
-    """The target model, its encoders, the limits and the bearer token, served as an ASGI app."""
+    """The target model, its encoders, the limits and the bearer tokens, served as an ASGI app."""
 
-    def __init__(self, model: Transformer, name: str, fingerprint: str, token: str,
+    def __init__(self, model: Transformer, name: str, fingerprint: str, token: str | list[str],
                  encoders: dict[str, ContextEncoder] | None = None, limits: Limits | None = None,
                  pass_costs: dict[int, float] | None = None):
-        if not token:
+        tokens = [token] if isinstance(token, str) else list(token)
+        if not tokens or not all(tokens):
             raise UserError("the target server needs a bearer token: pass --token-file or set MOASPEC_TOKEN")
-        self.model, self.name, self.fingerprint, self.token = model, name, fingerprint, token
+        self.model, self.name, self.fingerprint, self.tokens_allowed = model, name, fingerprint, tokens
         self.encoders = encoders or {}
         self.limits = limits or Limits()
         if self.limits.max_seq_len > model.max_seq_len:
             raise UserError(f"max_seq_len {self.limits.max_seq_len} exceeds the model's context {model.max_seq_len}")
         self.pass_costs = pass_costs or {}
         self.stats = Stats()
-        self.lock = asyncio.Lock()
+        self.scheduler = Scheduler(model, self.limits.max_batch_rows, self.limits.gather_ms)
+        self.admission = Admission(self.limits.kv_memory_mb << 20, self.limits.max_waiting)
+        self.tokens = Rate()
+        self.registry = registry(ServerCollector(self.scheduler, self.tokens, self._gauges))
+        # the worker threads sessions wait in for their passes: one each, whatever anyio's default
+        self.threads = anyio.CapacityLimiter(self.limits.max_connections + 4)
         self.app = self._build_app()
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        a = self.admission
+        return {"moaspec_sessions": ("open sessions (connections)", self.stats.sessions_open),
+                "moaspec_generations": ("generations in progress (holding memory)", a.holders),
+                "moaspec_generations_waiting": ("generations waiting for memory", a.waiting),
+                "moaspec_kv_reserved_bytes": ("KV-cache memory reserved by generations", a.used),
+                "moaspec_kv_budget_bytes": ("KV-cache memory for generations", a.budget)}
+
+    def close(self) -> None:
+        self.scheduler.close()
 
     def ready(self) -> dict[str, Any]:
         return {"type": "ready", "model": self.name, "fingerprint": self.fingerprint,
@@ -157,20 +207,27 @@ class TargetServer:
         """The token of a valid `Authorization: Bearer <token>` header, else None."""
         if not header or not header.startswith("Bearer "):
             return None
-        given = header[len("Bearer "):].strip()
-        return given if hmac.compare_digest(given.encode(), self.token.encode()) else None
+        given = header[len("Bearer "):].strip().encode()
+        ok = [t for t in self.tokens_allowed if hmac.compare_digest(given, t.encode())]
+        return ok[0] if ok else None
 
     async def _compute(self, fn, *args):
-        async with self.lock:
-            return await anyio.to_thread.run_sync(fn, *args)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.threads)
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="moaspec target server", docs_url=None, redoc_url=None)
+        app = FastAPI(title="moaspec target server", docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.get("/health")
         async def health() -> dict[str, Any]:
-            s = self.stats
-            return {"status": "ok", "model": self.name, "sessions_open": s.sessions_open, "calls": s.calls}
+            return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics(request: Request) -> Response:
+            if self.authorised(request.headers.get("authorization")) is None:
+                return Response("a valid bearer token is required\n", status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+            body, kind = exposition(self.registry)
+            return Response(body, media_type=kind)
 
         @app.websocket(ENDPOINT)
         async def session(ws: WebSocket) -> None:
@@ -178,10 +235,14 @@ class TargetServer:
             if token is None:
                 await ws.close(code=1008, reason="a valid bearer token is required")
                 return
-            if self.stats.by_token[token] >= self.limits.max_sessions:  # in a frame: a 403 reads as a bad token
+            full = None
+            if self.stats.by_token[token] >= self.limits.max_sessions:
+                full = f"this token has {self.limits.max_sessions} sessions open, the most it may"
+            elif self.stats.sessions_open >= self.limits.max_connections:
+                full = f"{self.limits.max_connections} sessions are open, the most this server takes"
+            if full is not None:  # in a frame: a 403 would read as a bad token
                 await ws.accept()
-                await self._send(ws, pack({"type": "error", "fatal": True, "message": f"this server allows at most "
-                                           f"{self.limits.max_sessions} open sessions per token; close one first"}))
+                await self._send(ws, busy_frame(f"{full}; retry later", 5, fatal=True))
                 await ws.close(code=1013)
                 return
             self.stats.by_token[token] += 1
@@ -200,55 +261,95 @@ class TargetServer:
         self.stats.bytes_out += len(frame)
         await ws.send_bytes(frame)
 
+    async def _start(self, ws: WebSocket, sess: Session, header: dict[str, Any]) -> Step:
+        """A new generation: checked, admitted by memory (waiting, and saying so, while there is none)."""
+        sess.end()
+        prompt, params, encoder, slots = sess.plan(header)
+        need = self.model.new_cache(1).bytes_for(slots)
+
+        async def queued(position: int) -> None:
+            await self._send(ws, pack({"type": "queued", "position": position}))
+
+        granted = await self.admission.acquire(need, queued)
+        sess.reserved = (need, granted)
+        return await self._compute(sess.start, prompt, params, encoder, slots)
+
     async def _serve(self, ws: WebSocket) -> None:
-        sess: Session | None = None
+        sess = Session(self)
         await self._send(ws, pack(self.ready()))
-        while True:
-            try:
-                msg = await asyncio.wait_for(ws.receive(), timeout=self.limits.idle_timeout_s)
-            except asyncio.TimeoutError:
-                await ws.close(code=1000, reason=f"idle for {self.limits.idle_timeout_s:.0f} s")
-                return
-            except WebSocketDisconnect:
-                return
-            if msg["type"] == "websocket.disconnect":
-                return
-            frame = msg.get("bytes") if msg.get("bytes") is not None else msg.get("text")
-            self.stats.bytes_in += len(frame or b"")
-            try:
-                header, _ = unpack(frame)
-                kind = header["type"]
-                if kind == "ping":
-                    await self._send(ws, pack({"type": "pong", "t": time.time()}))
-                    continue
-                if kind not in ("start", "verify"):
-                    raise ProtocolError(f"unknown message type {kind!r}: expected start, verify or ping")
-                if sess is None:
-                    sess = await self._compute(Session, self)
-                t0 = time.perf_counter()
-                step = await self._compute(sess.start if kind == "start" else sess.verify, header)
-                self.stats.calls += 1
-                log.debug("%s in %.1f ms", kind, (time.perf_counter() - t0) * 1e3)
-                await self._send(ws, sess.reply(step))
-            except UserError as e:  # ProtocolError, ContextLengthError, bad settings: the client's mistake
-                self.stats.errors += 1
-                await self._send(ws, pack({"type": "error", "message": str(e), "fatal": False}))
-            except WebSocketDisconnect:
-                return
-            except Exception as e:  # a bug must not take the server down, nor leak details to the client
-                log.exception("session failed")
-                self.stats.errors += 1
-                with contextlib.suppress(Exception):
-                    await self._send(ws, pack({"type": "error", "message": f"internal error ({type(e).__name__})",
-                                               "fatal": True}))
-                    await ws.close(code=1011)
-                return
+        idle_from = time.monotonic()  # pings do not count: an idle session ends whatever it pings
+        try:
+            while True:
+                left = self.limits.idle_timeout_s - (time.monotonic() - idle_from)
+                try:
+                    if left <= 0:
+                        raise asyncio.TimeoutError
+                    msg = await asyncio.wait_for(ws.receive(), timeout=left)
+                except asyncio.TimeoutError:
+                    await ws.close(code=1000, reason=f"idle for {self.limits.idle_timeout_s:.0f} s")
+                    return
+                except WebSocketDisconnect:
+                    return
+                if msg["type"] == "websocket.disconnect":
+                    return
+                frame = msg.get("bytes") if msg.get("bytes") is not None else msg.get("text")
+                self.stats.bytes_in += len(frame or b"")
+                try:
+                    header, _ = unpack(frame)
+                    kind = header["type"]
+                    if kind == "ping":
+                        await self._send(ws, pack({"type": "pong", "t": time.time()}))
+                        continue
+                    idle_from = time.monotonic()
+                    if kind == "end":
+                        sess.end()
+                        continue
+                    if kind not in ("start", "verify"):
+                        raise ProtocolError(f"unknown message type {kind!r}: expected start, verify, end or ping")
+                    t0 = time.perf_counter()
+                    if kind == "start":
+                        step = await self._start(ws, sess, header)
+                    else:
+                        step = await self._compute(sess.verify, header)
+                    self.stats.calls += 1
+                    log.debug("%s in %.1f ms", kind, (time.perf_counter() - t0) * 1e3)
+                    idle_from = time.monotonic()
+                    await self._send(ws, sess.reply(step))
+                except Busy as e:
+                    self.stats.errors += 1
+                    await self._send(ws, busy_frame(str(e), e.retry_after))
+                except UserError as e:  # ProtocolError, ContextLengthError, bad settings: the client's mistake
+                    self.stats.errors += 1
+                    await self._send(ws, pack({"type": "error", "message": str(e), "fatal": False}))
+                except WebSocketDisconnect:
+                    return
+                except Exception as e:  # a bug must not take the server down, nor leak details to the client
+                    log.exception("session failed")
+                    self.stats.errors += 1
+                    with contextlib.suppress(Exception):
+                        await self._send(ws, pack({"type": "error", "message": f"internal error "
+                                                   f"({type(e).__name__})", "fatal": True}))
+                        await ws.close(code=1011)
+                    return
+        finally:
+            sess.end()
 
 
-def serve(server: TargetServer, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Run the server until interrupted (uvicorn; messages bounded by `Limits.max_message_bytes`)."""
+def busy_frame(message: str, retry_after: float, fatal: bool = False) -> bytes:
+    return pack({"type": "error", "message": message, "fatal": fatal, "busy": True, "retry_after": retry_after})
+
+
+def serve(server: TargetServer, host: str = "127.0.0.1", port: int = 8765, ssl_certfile: str | None = None,
+          ssl_keyfile: str | None = None) -> None:
+    """Run the server until interrupted (uvicorn; messages bounded by `Limits.max_message_bytes`, connections
+    by `max_connections`: past that uvicorn answers 503 before any handshake work)."""
     import uvicorn
 
     torch.set_grad_enabled(False)
-    uvicorn.run(server.app, host=host, port=port, ws_max_size=server.limits.max_message_bytes,
-                log_level="warning", ws_ping_interval=20.0, ws_ping_timeout=20.0)
+    try:
+        uvicorn.run(server.app, host=host, port=port, ws_max_size=server.limits.max_message_bytes,
+                    log_level="warning", ws_ping_interval=20.0, ws_ping_timeout=20.0,
+                    limit_concurrency=server.limits.max_connections + 16, timeout_keep_alive=5,
+                    ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
+    finally:
+        server.close()

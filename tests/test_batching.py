@@ -1,0 +1,293 @@
+"""Many sequences, one model: the batched pass, the scheduler, and the target server serving many
+sessions together (real uvicorn on loopback, real WebSocket clients in threads).
+
+The contract is batch invariance: a sequence's logits, hidden states and cache are the same bits in a
+pass beside any others as in a pass alone, so every session's tokens equal its lone run's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+from servers import Running
+from websockets.sync.client import connect
+
+from moaspec.decoding.engine import Engine, GenerationConfig
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.scheduler import Scheduler
+from moaspec.decoding.target import LocalTarget
+from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig
+from moaspec.drafters import build_drafter
+from moaspec.drafters.trained import encoder_id
+from moaspec.models.parts import PartialTarget
+from moaspec.models.runtime import Rows, Transformer
+from moaspec.models.store import weights_fingerprint
+from moaspec.serving.protocol import ENDPOINT, Limits, pack, unpack
+from moaspec.serving.remote import RemoteTarget
+from moaspec.serving.target_server import TargetServer, load_encoders
+
+SMOL = "smollm2-135m"
+TOKEN = "batch-token"
+COSTS = {1: 10.0, 2: 10.2, 4: 10.8, 8: 12.0}
+
+
+@pytest.fixture(scope="module")
+def int8_model(smol_folder):
+    return Transformer(smol_folder, weights="int8", max_seq_len=1024)
+
+
+def _prompts(tok) -> list[list[int]]:
+    texts = ["The capital of France is", "def fibonacci(n):\n    ", "Write a haiku about the sea.",
+             "List three prime numbers: 2, 3,", "Once upon a time, in a small village by the river, there lived",
+             "import numpy as np\n\ndef softmax(x):", "Q: What is 12 times 12?\nA:", "The quick brown fox"]
+    return [tok.encode(t) for t in texts]
+
+
+# ----------------------------------------------------------------------------- the batched pass
+@pytest.mark.parametrize("weights", ["fp16", "int8", "int4", "fp32"])
+def test_forward_batch_gives_each_sequence_its_lone_bits(smol_folder, weights):
+    model = Transformer(smol_folder, weights=weights, max_seq_len=512)
+    assert model.batch_invariant() == (weights != "fp32")  # fp32 runs its sequences one after another
+    g = torch.Generator().manual_seed(0)
+    V, L = model.cfg.vocab_size, model.cfg.num_layers
+    prompts = [torch.randint(0, V, (n,), generator=g) for n in (5, 40, 150, 17, 70)]
+    # one token, a tree with hidden states, a 12-row chain (fbgemm in fp16), a prompt chunk, a 3-row chain
+    shapes = [1, 4, 12, 64, 3]
+
+    def setup():
+        caches = [model.new_cache(400) for _ in prompts]
+        for c, p in zip(caches, prompts, strict=True):
+            model.prefill(p, cache=c)
+        items = []
+        for c, n in zip(caches, shapes, strict=True):
+            toks = torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n))
+            if n == 4:
+                tree = Tree([int(t) for t in toks], [-1, 0, 0, 1])
+                items.append(Rows(toks, c, tree.positions(c.length), tree.mask(), hidden_layers=(2, L)))
+            elif n == 64:
+                items.append(Rows(toks, c, logits_rows=slice(-1, None), hidden_layers=(0,)))
+            else:
+                items.append(Rows(toks, c))
+        return caches, items
+
+    caches_a, alone = setup()
+    want = [model.forward_batch([it])[0] for it in alone]
+    caches_b, together = setup()
+    got = model.forward_batch(together)
+    for w, o, ca, cb, n in zip(want, got, caches_a, caches_b, shapes, strict=True):
+        assert torch.equal(w.logits, o.logits), f"{weights}: a {n}-row sequence's logits changed in the batch"
+        assert sorted(w.hidden) == sorted(o.hidden) and all(torch.equal(w.hidden[k], o.hidden[k]) for k in w.hidden)
+        end = ca.length + n
+        assert torch.equal(ca.k[:, :, :end], cb.k[:, :, :end]) and torch.equal(ca.v[:, :, :end], cb.v[:, :, :end])
+
+
+def test_cache_grows_in_blocks_and_releases(int8_model):
+    cache = int8_model.new_cache(1000)
+    assert cache.capacity == 0 and cache.nbytes == 0
+    int8_model.prefill(list(range(100, 400)), cache=cache)
+    assert cache.capacity == 512 and cache.length == 300  # two blocks of 256 (grown 256 -> 512)
+    before = int8_model.forward(torch.tensor([7]), cache=cache).logits
+    cache.release()
+    assert cache.capacity == 0 and cache.length == 0
+    int8_model.prefill(list(range(100, 400)), cache=cache)
+    assert torch.equal(int8_model.forward(torch.tensor([7]), cache=cache).logits, before)
+
+
+# ----------------------------------------------------------------------------- the scheduler
+def test_scheduler_batches_sessions_and_keeps_them_exact(int8_model, smol_tokenizer):
+    prompts = _prompts(smol_tokenizer)
+    cfg = GenerationConfig(max_new_tokens=24)
+    lone = [Engine(LocalTarget(int8_model, cache=int8_model.new_cache(256))).stream(p, cfg) for p in prompts]
+    want = [[t for c in it for t in c.tokens] for it in lone]
+    sched = Scheduler(int8_model, max_rows=128, gather_ms=20)
+    got: list[list[int] | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        engine = Engine(LocalTarget(int8_model, cache=int8_model.new_cache(256), scheduler=sched))
+        got[i] = [t for c in engine.stream(prompts[i], cfg) for t in c.tokens]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    sched.close()
+    assert got == want
+    s = sched.stats
+    assert s.sequences > s.passes * 2, f"passes were not shared: {s.passes} passes for {s.sequences} sequences"
+    assert max(s.seqs_per_pass) > 1 and s.max_wait_passes <= len(prompts)  # FIFO: bounded waits
+
+
+def test_scheduler_bounds_rows_per_pass(int8_model):
+    sched = Scheduler(int8_model, max_rows=64, gather_ms=0)
+    caches = [int8_model.new_cache(256) for _ in range(3)]
+    futures = [sched.submit(Rows(torch.arange(100, 150), c), c) for c in caches]  # 3 x 50 rows
+    outs = [f.result(timeout=60) for f in futures]
+    sched.close()
+    assert all(o.logits.shape[0] == 50 for o in outs)
+    assert sum(c for b, c in sched.stats.rows_per_pass.items() if b > 64) == 0  # never two of them at once
+    with pytest.raises(Exception, match="at most 64"):
+        Scheduler(int8_model, max_rows=64).submit(Rows(torch.arange(100, 200), caches[0]), caches[0])
+
+
+# ----------------------------------------------------------------------------- the target server
+def _server(model, smol_folder, **limits) -> tuple[TargetServer, Running]:
+    fp = weights_fingerprint(smol_folder)
+    lim = Limits(**{"max_prompt_tokens": 256, "max_seq_len": 512, "max_tree_tokens": 32, **limits})
+    server = TargetServer(model, SMOL, fp, TOKEN, load_encoders(model, SMOL, fp), lim, pass_costs=COSTS)
+    return server, Running(server.app, scheme="ws", ws_max_size=server.limits.max_message_bytes)
+
+
+@pytest.fixture(scope="module")
+def parts(smol_folder):
+    return PartialTarget(smol_folder)
+
+
+CLIENTS = [  # (drafter, tree): different drafters and tree shapes side by side
+    ("none", None), ("lookup", "chain4"), ("suffix", "adaptive:4"), ("moa", "adaptive:4"),
+    ("eagle", "tree"), ("moa", "tree"), ("suffix", "tree"), ("eagle", "adaptive:3"),
+]
+
+
+def _client(url: str, parts, drafter: str, tree: str | None) -> Engine:
+    d = build_drafter(drafter, SMOL, parts)
+    remote = RemoteTarget(url, TOKEN, encoder=encoder_id(d.encoder) if d is not None and d.encoder else None,
+                          busy_timeout_s=120)
+    adapt = None
+    shape = {"chain4": TreeConfig(4, 1, 4), "tree": TreeConfig(3, 2, 6)}.get(tree)
+    if tree and tree.startswith("adaptive"):
+        shape = TreeConfig.parse(tree)
+        adapt = AdaptiveChain(COSTS, shape.depth, width=shape.topk)
+    return Engine(remote, d, shape, adapt)
+
+
+def _run_all(engines: list[Engine], prompts: list[list[int]], cfgs: list[GenerationConfig]) -> list[list[int]]:
+    out: list = [None] * len(engines)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = [t for c in engines[i].stream(prompts[i], cfgs[i]) for t in c.tokens]
+        except Exception as e:  # reported below, with the client
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eight_sessions_together_equal_their_lone_runs(int8_model, smol_folder, smol_tokenizer, parts, temperature):
+    server, run = _server(int8_model, smol_folder, gather_ms=10)
+    try:
+        prompts = _prompts(smol_tokenizer)
+        prompts[4] = prompts[4] * 12  # one long prompt (prefilled in chunks beside the others' rounds)
+        cfgs = [GenerationConfig(max_new_tokens=32, sampling=SamplingParams(temperature, seed=None if
+                                                                            temperature == 0 else 100 + i))
+                for i in range(len(CLIENTS))]
+        engines = [_client(run.url, parts, d, t) for d, t in CLIENTS]
+        lone = [[t for c in e.stream(p, cfg) for t in c.tokens] for e, p, cfg in zip(engines, prompts, cfgs,
+                                                                                    strict=True)]
+        passes = server.scheduler.stats.passes
+        together = _run_all(engines, prompts, cfgs)
+        for (drafter, tree), want, got in zip(CLIENTS, lone, together, strict=True):
+            assert got == want, f"{drafter} ({tree}) differs beside the others: {got} vs {want}"
+        s = server.scheduler.stats
+        assert max(s.seqs_per_pass) >= 4, f"sessions did not share passes: {dict(s.seqs_per_pass)}"
+        assert s.passes - passes < sum(len(x) for x in lone)  # fewer passes than tokens written together
+        for e in engines:
+            e.target.shutdown()
+    finally:
+        run.stop()
+        server.close()
+
+
+def test_sixteen_clients_against_a_server_sized_for_four(int8_model, smol_folder, smol_tokenizer):
+    prompt = smol_tokenizer.encode("Count from one to twenty in words: one, two,")
+    cfg = GenerationConfig(max_new_tokens=24)
+    # each generation reserves prompt + 24 + one tree (32) tokens of KV cache: four fit in the budget
+    per = int8_model.new_cache(1).bytes_for(len(prompt) + 24 + 32)
+    server, run = _server(int8_model, smol_folder, kv_memory_mb=1)
+    server.admission.budget = 4 * per
+    try:
+        engines = [Engine(RemoteTarget(run.url, TOKEN, busy_timeout_s=120)) for _ in range(16)]
+        want = [t for c in Engine(LocalTarget(int8_model, cache=int8_model.new_cache(256))).stream(prompt, cfg)
+                for t in c.tokens]
+        got = _run_all(engines, [prompt] * 16, [cfg] * 16)
+        assert all(g == want for g in got), [g if isinstance(g, Exception) else len(g) for g in got]
+        assert sum(e.target.queued for e in engines) > 0  # some waited in the queue, told so
+        _until(lambda: server.admission.holders == 0)  # "end" needs no answer: the server frees it soon after
+        assert server.admission.used == 0  # every reservation returned
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{run.port}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})) as r:
+            text = r.read().decode()
+        for name in ("moaspec_batch_rows_bucket", "moaspec_pass_queue", "moaspec_sessions", "moaspec_tokens_total",
+                     "moaspec_tokens_per_second", "moaspec_generations_waiting", "moaspec_kv_budget_bytes"):
+            assert name in text, name
+        for e in engines:
+            e.target.shutdown()
+    finally:
+        run.stop()
+        server.close()
+
+
+def _until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _raw(run):
+    ws = connect(f"ws://127.0.0.1:{run.port}{ENDPOINT}",
+                 additional_headers={"Authorization": f"Bearer {TOKEN}"}).__enter__()
+    assert unpack(ws.recv(timeout=10))[0]["type"] == "ready"
+    return ws
+
+
+def test_full_queue_says_busy_and_when_to_retry(int8_model, smol_folder):
+    server, run = _server(int8_model, smol_folder, kv_memory_mb=64, max_waiting=1)
+    try:
+        holder, waiter, third = _raw(run), _raw(run), _raw(run)
+        start = pack({"type": "start", "prompt": [1, 2, 3], "max_new_tokens": 8})
+        holder.send(start)
+        assert unpack(holder.recv(timeout=30))[0]["type"] == "step"
+        server.admission.budget = server.admission.used  # now full: the next start waits
+        waiter.send(start)
+        assert unpack(waiter.recv(timeout=30))[0] == {"type": "queued", "position": 1}
+        third.send(start)  # the queue holds one: told to retry, not dropped
+        reply = unpack(third.recv(timeout=30))[0]
+        assert reply["type"] == "error" and reply["busy"] and not reply["fatal"] and reply["retry_after"] >= 1
+        holder.send(pack({"type": "end"}))  # frees the memory at once: the waiter runs
+        while (header := unpack(waiter.recv(timeout=30))[0])["type"] == "queued":
+            pass
+        assert header["type"] == "step"
+        third.send(pack({"type": "ping"}))
+        assert unpack(third.recv(timeout=10))[0]["type"] == "pong"  # the refused session lives on
+        for ws in (holder, waiter, third):
+            ws.close()
+        _until(lambda: server.admission.holders == 0)
+        assert server.admission.used == 0
+    finally:
+        run.stop()
+        server.close()
+
+
+def test_metrics_and_openapi_are_not_open(int8_model, smol_folder):
+    server, run = _server(int8_model, smol_folder)
+    try:
+        base = f"http://127.0.0.1:{run.port}"
+        for path in ("/metrics", "/openapi.json"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(base + path)
+            assert e.value.code in (401, 404)
+        with urllib.request.urlopen(base + "/health") as r:
+            assert r.read() == b'{"status":"ok"}'
+    finally:
+        run.stop()
+        server.close()
