@@ -273,7 +273,8 @@ def test_open_api_listens_on_loopback_only(dec_lookup):
 def test_cli_serve_refuses_an_open_public_bind(capsys, monkeypatch, tmp_path):
     from moaspec.cli import main
 
-    monkeypatch.delenv("MOASPEC_TOKEN", raising=False)
+    monkeypatch.delenv("MOASPEC_API_KEY", raising=False)
+    monkeypatch.setenv("MOASPEC_TOKEN", "the-target-servers-token")  # never the API's key
     assert main(["serve", "--model", SMOL, "--drafter", "lookup", "--host", "0.0.0.0"]) == 2
     assert "without a key" in capsys.readouterr().err
     assert main(["serve", "--model", SMOL, "--api-token-file", str(tmp_path / "missing")]) == 2
@@ -282,3 +283,109 @@ def test_cli_serve_refuses_an_open_public_bind(capsys, monkeypatch, tmp_path):
     assert "--port" in capsys.readouterr().err
     assert main(["serve", "--help"]) == 0
     assert "--api-token-file" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------ many requests at once
+@pytest.fixture(scope="module")
+def batched():
+    """An int8 SmolLM2 with the suffix drafter (batch-invariant kernels: passes really stack requests)."""
+    from moaspec.pipeline import SpecDecoder
+
+    dec = SpecDecoder(SMOL, drafter="suffix", weights="int8", tree="adaptive:4")
+    app = create_app(dec, SMOL, token=KEY, limits=ApiLimits(max_prompt_tokens=256, max_tokens=64, parallel=8,
+                                                             max_waiting=4, gather_ms=10))
+    run = Running(app, path="/v1")
+    yield app.state.api, run
+    run.stop()
+    app.state.api.close()
+
+
+QUESTIONS = ["Name three primary colors.", "Write a haiku about rain.", "What is 7 times 8?", "Define entropy.",
+             "List the planets of the solar system.", "Say hello in French.", "What is a prime number?",
+             "Write a Python function that reverses a list."]
+
+
+def test_concurrent_requests_decode_together_and_equal_lone_answers(batched):
+    api, run = batched
+    client = OpenAI(base_url=run.url, api_key=KEY, max_retries=0, timeout=300)
+
+    def ask(i: int, seed: int | None) -> str:
+        kw = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
+        return client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": QUESTIONS[i]}],
+                                              max_tokens=24, **kw).choices[0].message.content
+
+    for seed in (None, 11):
+        lone = [ask(i, seed) for i in range(8)]
+        passes, seqs = api.scheduler.stats.passes, api.scheduler.stats.sequences
+        out: list = [None] * 8
+        threads = [threading.Thread(target=lambda i=i, o=out, s=seed: o.__setitem__(i, ask(i, s))) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert out == lone, f"seed {seed}: answers changed when decoded together"
+        s = api.scheduler.stats
+        assert s.sequences - seqs > 1.5 * (s.passes - passes), "requests did not share passes"
+    assert api.admission.holders == 0 and len(api.forks) <= 8
+    metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert "moaspec_batch_sequences_bucket" in metrics and "moaspec_generations_waiting" in metrics
+
+
+def test_full_queue_is_503_with_retry_after(batched):
+    api, run = batched
+    admission = api.admission
+    held = admission.holders, admission.max_holders
+    admission.max_holders = 0  # no place for anyone now: requests wait, up to max_waiting (4)
+    body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    try:
+        waiting = [threading.Thread(target=_post, args=(batched, "/chat/completions", body), kwargs={"timeout": 120})
+                   for _ in range(4)]
+        for t in waiting:
+            t.start()
+        for _ in range(200):
+            if admission.waiting == 4:
+                break
+            time.sleep(0.05)
+        assert admission.waiting == 4
+        resp = _post(batched, "/chat/completions", body)
+        err = _error(resp, 503, code="server_busy")
+        assert err["type"] == "server_error" and int(resp.headers["retry-after"]) >= 1
+    finally:
+        admission.max_holders = held[1]
+        admission._wake()
+    for t in waiting:
+        t.join(120)
+    assert admission.waiting == 0 and admission.holders == held[0]
+
+
+def test_explicit_nulls_are_defaults(served, client, dec_lookup):
+    g = _greedy(dec_lookup, MESSAGES, n=8)
+    body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "top_p": None, "n": None,
+            "stop": None, "seed": None, "stream": None, "stream_options": None, "max_completion_tokens": None}
+    resp = _post(served, "/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == g.text
+
+
+def test_long_text_is_refused_before_tokenising(served):
+    api = served[0]
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "x" * 60000}], "max_tokens": 4}
+    _error(_post(served, "/chat/completions", body), 400, param="messages", code="context_length_exceeded")
+    assert api._longest_token is not None and 60000 > LIMITS.max_prompt_tokens * api._longest_token
+
+
+def test_open_api_refuses_other_hosts_and_cross_site_posts(dec_lookup):
+    run = Running(create_app(dec_lookup, SMOL), path="/v1")
+    try:
+        body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 2}
+        ok = httpx.post(run.url + "/chat/completions", json=body, timeout=60)
+        assert ok.status_code == 200
+        rebound = httpx.post(run.url + "/chat/completions", json=body, headers={"Host": "evil.example:8000"})
+        _error(rebound, 403, code="forbidden_host")
+        cross = httpx.post(run.url + "/chat/completions", json=body, headers={"Origin": "https://evil.example"})
+        _error(cross, 403, code="forbidden_origin")
+        same = httpx.post(run.url + "/chat/completions", json=body, timeout=60,
+                          headers={"Origin": f"http://127.0.0.1:{run.port}"})
+        assert same.status_code == 200
+    finally:
+        run.stop()

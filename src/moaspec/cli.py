@@ -25,6 +25,7 @@ from moaspec.drafters.hybrid import POLICIES as HYBRID_POLICIES
 from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
+from moaspec.serving.openai_api import API_KEY_ENV, ApiLimits
 from moaspec.serving.protocol import Limits
 from moaspec.threads import MAX_THREADS, set_threads
 
@@ -75,8 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on; any but loopback needs an API key")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-token-file", metavar="PATH", help="file whose first line is the API key clients must send "
-                    "(Authorization: Bearer); default: the --token-file / $MOASPEC_TOKEN key, if any; with none "
-                    "the API is open and only listens on loopback")
+                    "(Authorization: Bearer); default: $MOASPEC_API_KEY, if set; with none the API is open and only "
+                    "listens on (and answers requests addressed to) loopback. Never the --target server's token")
+    _add_tls_args(sv)
+    api = ApiLimits()
+    sv.add_argument("--parallel", type=int, default=api.parallel, help="generations decoding together, their target "
+                    "passes batched (each answer identical to a lone run)")
+    sv.add_argument("--max-waiting", type=int, default=api.max_waiting, help="requests queued for a place; beyond, "
+                    "503 with Retry-After")
+    sv.add_argument("--kv-memory-mb", type=int, default=api.kv_memory_mb, help="KV-cache memory of the generations "
+                    "in progress (each reserves what its prompt + max_tokens may fill)")
+    sv.add_argument("--gather-ms", type=float, default=api.gather_ms, help="how long a batched pass waits for the "
+                    "generations the last one served")
     sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
     sv.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for, and "
                     "the default for one that gives none")
@@ -482,28 +493,29 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from moaspec.serving.remote import TOKEN_ENV, read_token
+    from moaspec.serving.remote import read_token
 
     tree = _tree_config(args)
     _check_models(args)
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
-    # the API's key: its own file, else the key for --target (which API clients then also know)
+    # the API's own key, apart from the --target server's token (API clients must not learn that one)
     if args.api_token_file:
         key = read_token(args.api_token_file)
-    elif args.token_file or os.environ.get(TOKEN_ENV, "").strip():
-        key = read_token(args.token_file)
     else:
-        key = None
-    from moaspec.serving.openai_api import ApiLimits, check_host, create_app, serve
+        key = os.environ.get(API_KEY_ENV, "").strip() or None
+    from moaspec.serving.openai_api import check_host, create_app, serve
 
     check_host(args.host, key)
-    limits = ApiLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens)
+    tls = _tls(args)
+    limits = ApiLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, parallel=args.parallel,
+                       max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, gather_ms=args.gather_ms)
     dec = _load_decoder(args, tree)
     app = create_app(dec, args.model, token=key, limits=limits, drafter=_drafter_name(args))
-    print(f"serving {_label(args)} as an OpenAI API on http://{args.host}:{args.port}/v1 "
-          f"({'key required' if key else 'open, loopback only'}); Ctrl-C stops", file=sys.stderr)
-    serve(app, args.host, args.port)
+    print(f"serving {_label(args)} as an OpenAI API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1 "
+          f"({'key required' if key else 'open, loopback only'}; up to {args.parallel} requests together); "
+          "Ctrl-C stops", file=sys.stderr)
+    serve(app, args.host, args.port, **tls)
     return 0
 
 

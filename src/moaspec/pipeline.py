@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -24,7 +26,7 @@ from moaspec.errors import UserError
 from moaspec.models import quant
 from moaspec.models.linear import WeightMode
 from moaspec.models.parts import PartialTarget
-from moaspec.models.runtime import Transformer
+from moaspec.models.runtime import KVCache, Transformer
 from moaspec.models.store import (
     chat_ids,
     load_tokenizer,
@@ -36,6 +38,7 @@ from moaspec.models.store import (
 from moaspec.threads import set_threads
 
 if TYPE_CHECKING:
+    from moaspec.decoding.scheduler import Scheduler
     from moaspec.serving.remote import RemoteTarget
 
 
@@ -117,16 +120,21 @@ class SpecDecoder:
         self.model_name = model
         self.folder = resolve(model)
         self.tokenizer = load_tokenizer(self.folder)
+        # one tokenizer serves every fork; a fast tokenizer's Rust state is not shared across threads
+        self.tokenizer_lock = threading.Lock()
         self.remote: RemoteTarget | None = None
+        self.cache: KVCache | None = None  # None: the model's own (forks have their own)
+        self.scheduler: Scheduler | None = None  # a fork's passes join its siblings' (`fork`)
+        self._remote_args = dict(url=target_url, token=token, wire=wire, timeout_s=target_timeout_s, ca_file=ca_file)
         if target_url is None:
             self.target: Transformer | PartialTarget = Transformer(self.folder, weights=weights, device=device,
                                                                    max_seq_len=max_seq_len)
         else:
-            from moaspec.serving.remote import RemoteTarget, client_tls, read_token
+            from moaspec.serving.remote import read_token
 
             self.target = PartialTarget(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
-            self.remote = RemoteTarget(target_url, token or read_token(), wire=wire, timeout_s=target_timeout_s,
-                                       fingerprint=weights_fingerprint(self.folder), ssl_context=client_tls(ca_file))
+            self._remote_args["token"] = token = token or read_token()
+            self.remote = self._connect()
             if self.remote.model != model or self.remote.fingerprint != weights_fingerprint(self.folder):
                 raise UserError(f"the server at {target_url} serves {self.remote.model!r} (weights "
                                 f"{self.remote.fingerprint}), not this client's {model!r}: draft for the same target")
@@ -136,6 +144,37 @@ class SpecDecoder:
             self.target.warmup()
         self.load_s = time.perf_counter() - t
 
+    def _connect(self) -> RemoteTarget:
+        from moaspec.serving.remote import RemoteTarget, client_tls
+
+        a = self._remote_args
+        return RemoteTarget(a["url"], a["token"], wire=a["wire"], timeout_s=a["timeout_s"],
+                            fingerprint=weights_fingerprint(self.folder), ssl_context=client_tls(a["ca_file"]))
+
+    def fork(self, scheduler: Scheduler | None = None) -> SpecDecoder:
+        """Another decoder over the same weights and tokenizer for one more concurrent generation: its own
+        drafter (state), KV cache or remote session, and engine. With `scheduler` (over this decoder's
+        model) its target passes are batched with those of the other forks."""
+        other = copy.copy(self)
+        if self.remote is not None:
+            other.remote = self._connect()
+        else:
+            other.cache = self.target.new_cache()
+        other.scheduler = scheduler
+        other.set_drafter(**self._drafter_args)
+        return other
+
+    def release(self) -> None:
+        """Give back the memory a fork's KV cache holds between generations."""
+        if self.cache is not None:
+            self.cache.release()
+
+    def close(self) -> None:
+        """End a fork: its memory and its remote session (with any reconnection attempts)."""
+        self.release()
+        if self.remote is not None:
+            self.remote.shutdown()
+
     def set_drafter(self, drafter: str = "none", draft_model: str | None = None, drafter_path: str | None = None,
                     tree: TreeConfig | str | None = None, hybrid_model: str = "moa",
                     hybrid_policy: str = "switch", datastore: str | None = None) -> None:
@@ -144,6 +183,8 @@ class SpecDecoder:
         loaded target: benchmarks compare drafters on one copy of the target's weights.
         `hybrid_model`/`hybrid_policy`: the parts of `hybrid`; `datastore`: the suffix drafter's (None: the
         one shipped for the target, "none": none, else a folder of `moaspec datastore`)."""
+        self._drafter_args = dict(drafter=drafter, draft_model=draft_model, drafter_path=drafter_path, tree=tree,
+                                  hybrid_model=hybrid_model, hybrid_policy=hybrid_policy, datastore=datastore)
         min_prob = None
         if isinstance(tree, str):
             shape, min_prob = split_min_prob(tree)
@@ -174,7 +215,8 @@ class SpecDecoder:
             self.remote.check_encoder()
             target: TargetSide = self.remote
         else:
-            target = LocalTarget(self.target, encoder, defer_context=getattr(self.drafter, "defers_context", False))
+            target = LocalTarget(self.target, encoder, cache=self.cache, scheduler=self.scheduler,
+                                 defer_context=getattr(self.drafter, "defers_context", False))
         self.engine = Engine(target, self.drafter, tree, adapt)
 
     def auto_tree(self) -> TreeConfig:
@@ -213,7 +255,8 @@ class SpecDecoder:
             if not prompt.strip():
                 raise UserError("the prompt is empty")
             if not chat or not self.tokenizer.chat_template:
-                return self.tokenizer.encode(prompt)
+                with self.tokenizer_lock:
+                    return self.tokenizer.encode(prompt)
             prompt = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
@@ -222,7 +265,8 @@ class SpecDecoder:
         for msg in prompt:
             if not isinstance(msg, dict) or "role" not in msg or not isinstance(msg.get("content"), str):
                 raise UserError(f"malformed chat message {msg!r}: need {{'role': ..., 'content': str}}")
-        return chat_ids(self.tokenizer, prompt)
+        with self.tokenizer_lock:
+            return chat_ids(self.tokenizer, prompt)
 
     # ---------------------------------------------------------------- generation
     def stream(
@@ -246,9 +290,11 @@ class SpecDecoder:
                 unverified += chunk.tokens
                 if chunk.finish_reason is None:
                     continue
+            if not chunk.verified:  # the end came before the target did: the text ends unverified
+                self.engine.metrics.unverified_in_output = len(unverified)
             tokens += unverified + (chunk.tokens if chunk.verified else [])
             unverified = []
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            text = self.decode(tokens)
             finish = chunk.finish_reason
             hits = [h for s in cfg.stop if (h := text.find(s, max(0, len(shown) - len(s) + 1))) >= 0]
             if hits:
@@ -272,10 +318,14 @@ class SpecDecoder:
             if finish is not None:
                 return
 
+    def decode(self, tokens: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
     def _reaching(self, tokens: list[int], text: str, lo: int) -> int:
         """The fewest tokens (at least `lo`) whose decoded text starts with `text`."""
         k = len(tokens)
-        while k > lo and self.tokenizer.decode(tokens[: k - 1], skip_special_tokens=True).startswith(text):
+        while k > lo and self.decode(tokens[: k - 1]).startswith(text):
             k -= 1
         return k
 

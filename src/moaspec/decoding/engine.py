@@ -62,6 +62,7 @@ class Metrics:
     unverified_tokens: int = 0  # written by the drafter alone while the target was away
     corrected_tokens: int = 0  # of those, dropped on re-verification (the target disagreed)
     reconnects: int = 0
+    unverified_in_output: int = 0  # tokens of the final text that the target never verified (it stayed away)
 
     @property
     def target_calls(self) -> int:

@@ -15,10 +15,11 @@ from moaspec.serving.protocol import Busy, ProtocolError
 
 
 class Admission:
-    """`budget` bytes shared by the generations in progress (one event loop's)."""
+    """`budget` bytes shared by the generations in progress (one event loop's), at most `max_holders` of
+    them at once (None: as many as fit)."""
 
-    def __init__(self, budget: int, max_waiting: int):
-        self.budget, self.max_waiting = budget, max_waiting
+    def __init__(self, budget: int, max_waiting: int, max_holders: int | None = None):
+        self.budget, self.max_waiting, self.max_holders = budget, max_waiting, max_holders
         self.used = 0
         self.holders = 0
         self._waiters: deque[tuple[int, asyncio.Future]] = deque()
@@ -41,9 +42,9 @@ class Admission:
         if nbytes > self.budget:
             raise ProtocolError(f"this generation needs {nbytes / 2**20:.0f} MiB of KV cache; the server has "
                                 f"{self.budget / 2**20:.0f} MiB in all: ask for fewer tokens")
-        if not self._waiters and self.used + nbytes <= self.budget:
+        if not self._waiters and self._fits(nbytes):
             return self._grant(nbytes)
-        if len(self._waiters) >= self.max_waiting:
+        if self.full():
             wait = self.retry_after()
             raise Busy(f"the server is busy: {self.waiting} generations are waiting for memory; retry after "
                        f"{wait} s", wait)
@@ -65,6 +66,13 @@ class Admission:
             self._wake()
             raise
 
+    def full(self) -> bool:
+        """Whether a caller that cannot run at once would be refused (the queue is full)."""
+        return len(self._waiters) >= self.max_waiting
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.budget and (self.max_holders is None or self.holders < self.max_holders)
+
     def _grant(self, nbytes: int) -> float:
         self.used += nbytes
         self.holders += 1
@@ -77,7 +85,7 @@ class Admission:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters and self.used + self._waiters[0][0] <= self.budget:
+        while self._waiters and self._fits(self._waiters[0][0]):
             nbytes, fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(self._grant(nbytes))

@@ -11,13 +11,22 @@ prompt and completion tokens exactly (a stop string cuts the tokens too) and car
 metrics in `usage.speculative` (drafter, tau, target calls, tokens/s), which OpenAI clients keep as an
 extra field.
 
-Like the target server: the model runs one request at a time (an asyncio lock; two generations on a
-few CPU cores only slow each other down), each verification round in a worker thread so the event
-loop keeps answering, and a client that goes away stops its generation between rounds. Every request
-is checked (pydantic, bounded body, prompt and max_tokens) and every error has OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`; a bad request is a 4xx, never a crash. With a
-bearer key the API checks `Authorization: Bearer <key>`; without one it is open, so `serve` only binds
-a loopback address.
+Concurrent requests decode together: each runs on its own fork of the decoder (its own drafter state and
+KV cache over the shared weights, `SpecDecoder.fork`), its rounds in worker threads, and every fork's
+target passes go through one `Scheduler`, which stacks them into batched forward passes (bit-identical
+per request to a pass alone: batching changes no token). Nothing holds the model while an answer is
+written to a slow client. A request reserves the KV memory its prompt and max_tokens may fill
+(`Admission`, at most `parallel` at once); one that does not fit waits in a bounded queue, and when that
+is full the answer is 503 with Retry-After. A client that goes away stops its generation between rounds
+and frees its rows at once. Every request is checked (pydantic, bounded body, prompt and max_tokens) and
+every error has OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; a bad request is a 4xx,
+never a crash. With a bearer key the API checks `Authorization: Bearer <key>`; without one it is open,
+so `serve` only binds a loopback address, and it then answers only requests addressed to a loopback name
+(Host) and not sent by another site's page (Origin): no DNS rebinding, no cross-site POSTs.
+
+A generation whose remote target went away for longer than it may wait ends with text the drafter wrote
+alone: the policy is to mark it, not to fail: `usage.unverified_tokens` counts those tokens and the
+choice carries `"unverified": true`.
 """
 
 from __future__ import annotations
@@ -33,40 +42,60 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 import anyio
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moaspec.decoding.engine import GenerationConfig, Metrics
 from moaspec.decoding.sampling import SamplingParams
+from moaspec.decoding.scheduler import Scheduler
+from moaspec.decoding.tree import MAX_TREE_TOKENS
 from moaspec.errors import ContextLengthError, UserError
+from moaspec.models.runtime import PREFILL_CHUNK
+from moaspec.serving.admission import Admission
+from moaspec.serving.metrics import Rate, ServerCollector, exposition, registry
+from moaspec.serving.protocol import Busy
 
 if TYPE_CHECKING:
     from moaspec.pipeline import SpecDecoder
 
 log = logging.getLogger("moaspec.api")
 
+API_KEY_ENV = "MOASPEC_API_KEY"  # the API key when no --api-token-file is given
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 512
 
 
 @dataclass(frozen=True)
 class ApiLimits:
-    """Bounds on one request. A prompt must also leave room for max_tokens in the target's context."""
+    """Bounds on one request, and on how many run at once. A prompt must also leave room for max_tokens in the
+    target's context."""
 
     max_prompt_tokens: int = 8192
     max_tokens: int = 1024  # the largest max_tokens a request may ask for, and the default when it gives none
     max_body_bytes: int = 4 << 20
+    parallel: int = 8  # generations decoding together (like llama-server's -np)
+    max_waiting: int = 32  # requests queued for a place; beyond, 503 with Retry-After
+    kv_memory_mb: int = 2048  # KV caches of the generations in progress (a local target's)
+    max_batch_rows: int = 512  # rows of one batched pass
+    gather_ms: float = 5.0  # how long a pass waits for the generations the last one served
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_tokens", "max_body_bytes"):
+        for name in ("max_prompt_tokens", "max_tokens", "max_body_bytes", "parallel", "max_waiting", "kv_memory_mb",
+                     "max_batch_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_batch_rows < max(MAX_TREE_TOKENS + 1, PREFILL_CHUNK):
+            raise UserError(f"max_batch_rows must hold a whole draft tree ({MAX_TREE_TOKENS + 1}) and a prompt "
+                            f"chunk ({PREFILL_CHUNK}), got {self.max_batch_rows}")
+        if not self.gather_ms >= 0:
+            raise UserError(f"gather_ms must be >= 0, got {self.gather_ms}")
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -74,16 +103,24 @@ class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+def _busy(retry_after: int, why: str) -> ApiError:
+    return ApiError(503, f"The server is busy ({why}); retry after {retry_after} s.", code="server_busy",
+                    kind="server_error", retry_after=retry_after)
 
 
 def _validation_error(e: ValidationError) -> ApiError:
@@ -100,6 +137,8 @@ def _generation_error(e: Exception) -> ApiError:
     """An error raised while preparing or running a generation."""
     from moaspec.serving.remote import TargetUnavailable
 
+    if isinstance(e, Busy):
+        return _busy(int(max(1, e.retry_after)), str(e))
     if isinstance(e, TargetUnavailable):
         return ApiError(503, f"the target server is unavailable: {e}", code="target_unavailable", kind="server_error")
     if isinstance(e, ContextLengthError):
@@ -120,15 +159,16 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
+    # optional fields take an explicit null as OpenAI does: the default
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
 
     # field -> its values that mean "not used": any other value is a 400
@@ -144,7 +184,7 @@ class _Request(BaseModel):
             if name in self.UNSUPPORTED and value not in self.UNSUPPORTED[name]:
                 raise ApiError(400, f"'{name}' is not supported by this server.", param=name,
                                code="unsupported_parameter")
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise ApiError(400, f"only n=1 is supported, got n={self.n}.", param="n", code="unsupported_value")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP:
@@ -208,14 +248,48 @@ class OpenAIServer:
     """A SpecDecoder served under a model name, with its limits and optional bearer key."""
 
     def __init__(self, dec: SpecDecoder, model_name: str, token: str | None = None, limits: ApiLimits | None = None,
-                 drafter: str | None = None):
+                 drafter: str | None = None, hosts: tuple[str, ...] = ()):
+        """`hosts`: names this server is reached by besides loopback ones (checked when it has no key)."""
         self.dec, self.model_name, self.token = dec, model_name, token or None
-        self.limits = limits or ApiLimits()
+        self.limits = lim = limits or ApiLimits()
         self.drafter = drafter
         self.stats = Stats()
         self.created = int(time.time())
-        self.lock = asyncio.Lock()
+        self.hosts = {"localhost", "127.0.0.1", "::1", *hosts}
+        # a local target's passes, batched over the concurrent generations (a remote one batches on its server)
+        self.scheduler = Scheduler(dec.target, lim.max_batch_rows, lim.gather_ms) if dec.remote is None else None
+        self.admission = Admission(lim.kv_memory_mb << 20, lim.max_waiting, max_holders=lim.parallel)
+        self.forks: list[SpecDecoder] = []  # idle decoders, one per generation that ran at once
+        self.threads = anyio.CapacityLimiter(lim.parallel + 4)
+        self.tokens = Rate()
+        self.registry = registry(ServerCollector(self.scheduler, self.tokens, self._gauges)) \
+            if self.scheduler is not None else None
+        self._longest_token: int | None = None
+        self._tasks: set[asyncio.Task] = set()  # generations running (a reference keeps each alive)
         self.app = self._build_app()
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        a = self.admission
+        return {"moaspec_generations": ("generations in progress", a.holders),
+                "moaspec_generations_waiting": ("requests waiting for a place", a.waiting),
+                "moaspec_kv_reserved_bytes": ("KV-cache memory reserved by generations", a.used),
+                "moaspec_kv_budget_bytes": ("KV-cache memory for generations", a.budget),
+                "moaspec_sessions": ("decoders held (one per generation that ran at once)",
+                                     len(self.forks) + a.holders)}
+
+    def close(self) -> None:
+        for fork in self.forks:
+            fork.close()
+        self.forks.clear()
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+    def _reservation(self, prompt_tokens: int, max_new: int) -> int:
+        """KV bytes a generation may fill: its prompt, its tokens and one tree (a remote target's: none here)."""
+        if self.dec.remote is not None:
+            return 0
+        slots = min(self._context(), prompt_tokens + max_new + self.dec.engine.tree.total_tokens + 1)
+        return self.dec.target.new_cache(1).bytes_for(slots)
 
     # ------------------------------------------------------------ checks
     def _authorise(self, request: Request) -> None:
@@ -256,6 +330,7 @@ class OpenAIServer:
         """Token ids of the prompt and the generation settings, checked against the limits (runs in the
         worker thread, under the lock: the tokenizer is not shared across threads)."""
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
+        self._check_text_length(req, param)
         if isinstance(req, ChatRequest):
             ids = self.dec.encode([m.as_dict() for m in req.messages])
         else:
@@ -291,15 +366,30 @@ class OpenAIServer:
         n = asked if asked is not None else min(self.limits.max_tokens, context - len(ids))
         seed = None if req.seed is None else req.seed % 2**63
         try:
-            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=seed)
+            sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                      top_p=1.0 if req.top_p is None else req.top_p, seed=seed)
         except UserError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
         return ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops)
 
+    def _check_text_length(self, req: _Request, param: str) -> None:
+        """Refuse, before tokenising it, text that cannot fit: more characters than the longest token has,
+        times the prompt bound (so a 4 MiB body costs no tokenizer time)."""
+        if self._longest_token is None:
+            self._longest_token = max(len(t) for t in self.dec.tokenizer.get_vocab())
+        if isinstance(req, ChatRequest):
+            chars = sum(len(m.as_dict()["content"]) for m in req.messages)
+        else:
+            prompt = req.prompt
+            chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
+        bound = min(self.limits.max_prompt_tokens, self._context() - 1)
+        if chars > bound * self._longest_token:
+            raise ApiError(400, f"the prompt has {chars} characters, more than {bound} tokens can hold; this server "
+                           f"takes at most {bound} tokens.", param=param, code="context_length_exceeded")
+
     async def _prepared(self, req: _Request) -> tuple[list[int], GenerationConfig]:
         try:
-            async with self.lock:
-                return await anyio.to_thread.run_sync(self._prepare, req)
+            return await anyio.to_thread.run_sync(self._prepare, req, limiter=self.threads)
         except ApiError:
             raise
         except Exception as e:
@@ -308,49 +398,83 @@ class OpenAIServer:
     # ------------------------------------------------------------ generation
     async def _rounds(self, request: Request, ids: list[int], cfg: GenerationConfig
                       ) -> AsyncIterator[tuple[str, list[int], str | None, Metrics | None]]:
-        """(text delta, token ids, finish reason, metrics on the last round) per verification round, on
-        the model alone; stops early, between rounds, if the client went away."""
+        """(text delta, token ids, finish reason, metrics on the last round) per verification round. The
+        generation runs in a task of its own (`_generate`), so that writing to a slow client never holds it
+        and it always ends and gives its place back, whether this iterator is finished, closed or dropped."""
+        queue: asyncio.Queue = asyncio.Queue()
+        stop = asyncio.Event()
+        task = asyncio.create_task(self._generate(request, ids, cfg, queue, stop))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+    async def _generate(self, request: Request, ids: list[int], cfg: GenerationConfig, queue: asyncio.Queue,
+                        stop: asyncio.Event) -> None:
+        """Run one generation on a decoder of its own, once the request has a place (waiting for one, FIFO),
+        into `queue`; between rounds, stop if the client went away (or `stop` is set), and give the place,
+        the decoder and its rows back at once."""
         done = object()
 
         def step(it):
             with torch.no_grad():
                 return next(it, done)
 
-        async with self.lock:
-            it = self.dec.stream(ids, cfg)
-            finished = False
+        finished = False
+        try:
+            need = self._reservation(len(ids), cfg.max_new_tokens)
+            granted = await self.admission.acquire(need)
+        except Exception as e:
+            queue.put_nowait(e)
+            return
+        fork = None
+        try:
+            fork = self.forks.pop() if self.forks else \
+                await anyio.to_thread.run_sync(self.dec.fork, self.scheduler, limiter=self.threads)
+            it = fork.stream(ids, cfg)
             try:
-                # A client that went away is seen here, or cancels this task at an await (Starlette
-                # listens for the disconnect while it streams); either way between two rounds.
-                while not await request.is_disconnected():
-                    # not abandoned on cancellation: the round finishes before the lock is released
-                    item = await anyio.to_thread.run_sync(step, it)
+                while not stop.is_set() and not await request.is_disconnected():
+                    item = await anyio.to_thread.run_sync(step, it, limiter=self.threads)
                     if item is done:
                         finished = True
-                        return
+                        break
                     delta, new, finish = item
                     self.stats.completion_tokens += len(new)
+                    self.tokens.add(len(new))
                     finished = finish is not None
-                    yield delta, new, finish, self.dec.engine.metrics if finished else None
+                    queue.put_nowait((delta, new, finish, fork.engine.metrics if finished else None))
                     if finished:
-                        return
-            except Exception:
-                finished = True  # a failure, not a cancellation: the caller reports it
-                raise
+                        break
             finally:
-                it.close()
-                if not finished:
-                    self.stats.cancelled += 1
-                    log.info("client went away: generation stopped")
+                it.close()  # the engine tells its target: the scheduler stops waiting for it
+        except Exception as e:  # a failure, not a cancellation: the consumer reports it
+            finished = True
+            queue.put_nowait(e)
+        finally:
+            if fork is not None:
+                fork.release()
+                self.forks.append(fork)
+            self.admission.release(need, granted)
+            queue.put_nowait(None)
+            if not finished:
+                self.stats.cancelled += 1
+                log.info("client went away: generation stopped")
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, m: Metrics | None) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                  "total_tokens": prompt_tokens + completion_tokens}
         if m is not None:
             drafter = self.drafter or (self.dec.drafter.name if self.dec.drafter is not None else "none")
-            usage["speculative"] = {"drafter": drafter, "tau": round(m.tau, 4), "target_calls": m.target_calls,
-                                    "tokens_per_s": round(m.tokens_per_s, 3), "prefill_s": round(m.prefill_s, 4),
-                                    "total_s": round(m.total_s, 4)}
+            usage["speculative"] = {"drafter": drafter, "weights": self.dec.target.weights, "tau": round(m.tau, 4),
+                                    "target_calls": m.target_calls, "tokens_per_s": round(m.tokens_per_s, 3),
+                                    "prefill_s": round(m.prefill_s, 4), "total_s": round(m.total_s, 4)}
+            if m.unverified_in_output:
+                usage["unverified_tokens"] = m.unverified_in_output
         return usage
 
     async def _complete(self, request: Request, kind: type[_Request]):
@@ -362,6 +486,9 @@ class OpenAIServer:
         except ApiError as e:
             self.stats.errors += 1
             return e.response()
+        if self.admission.full():  # no place now and no room to wait for one
+            self.stats.errors += 1
+            return _busy(self.admission.retry_after(), f"{self.admission.waiting} requests are waiting").response()
         chat = isinstance(req, ChatRequest)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -382,6 +509,8 @@ class OpenAIServer:
             return _generation_error(e).response()
         text = "".join(parts)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if metrics is not None and metrics.unverified_in_output:
+            choice["unverified"] = True
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -398,7 +527,7 @@ class OpenAIServer:
         def event(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, role: bool = False, unverified: bool = False) -> str:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
@@ -406,6 +535,8 @@ class OpenAIServer:
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if unverified:
+                choice["unverified"] = True
             return event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                           "created": created, "model": self.model_name, "choices": [choice], **usage_field})
 
@@ -419,7 +550,7 @@ class OpenAIServer:
                     if delta:
                         yield chunk(delta, None)
                     if finish is not None:
-                        yield chunk(None, finish)
+                        yield chunk(None, finish, unverified=bool(m and m.unverified_in_output))
                         metrics, finished = m, True
         except Exception as e:  # not CancelledError: a client that went away simply ends the stream
             self.stats.errors += 1
@@ -437,6 +568,16 @@ class OpenAIServer:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="moaspec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
         app.state.api = self
+
+        app.add_middleware(SameSiteOnly, api=self)
+
+        @app.get("/metrics")
+        async def metrics(request: Request) -> Response:
+            self._authorise(request)
+            if self.registry is None:
+                raise ApiError(404, "this API's target is remote: its server has the metrics", code="not_found")
+            body, kind = exposition(self.registry)
+            return Response(body, media_type=kind)
 
         @app.exception_handler(ApiError)
         async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -474,11 +615,38 @@ class OpenAIServer:
         return app
 
 
+class SameSiteOnly:
+    """An open API (no key) answers this machine's own clients only: requests addressed to a loopback name
+    (Host: no DNS rebinding) and not sent by another site's page (Origin: no cross-site POSTs). Plain ASGI,
+    not Starlette's BaseHTTPMiddleware, which would hide a client's disconnection from the handlers."""
+
+    def __init__(self, app, api: OpenAIServer):
+        self.app, self.api = app, api
+
+    def refusal(self, scope) -> ApiError | None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        host = urlsplit(f"//{headers.get('host', '')}").hostname or ""
+        if host not in self.api.hosts:
+            return ApiError(403, f"this open API answers requests to {', '.join(sorted(self.api.hosts))} only, not "
+                            f"to {host!r}", code="forbidden_host")
+        origin = headers.get("origin")
+        if origin is not None and (urlsplit(origin).hostname or "") not in self.api.hosts:
+            return ApiError(403, f"cross-site requests are refused (Origin {origin})", code="forbidden_origin")
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.api.token is None and (refused := self.refusal(scope)) is not None:
+            await refused.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(dec: SpecDecoder, model_name: str, token: str | None = None, limits: ApiLimits | None = None,
-               drafter: str | None = None) -> FastAPI:
+               drafter: str | None = None, hosts: tuple[str, ...] = ()) -> FastAPI:
     """The API over `dec`, serving it as `model_name`; `token`: the bearer key clients must send (None:
-    open); `drafter`: its name in `usage.speculative` (default: the drafter's own)."""
-    return OpenAIServer(dec, model_name, token, limits, drafter).app
+    open); `drafter`: its name in `usage.speculative` (default: the drafter's own); `hosts`: names it is
+    reached by besides loopback ones."""
+    return OpenAIServer(dec, model_name, token, limits, drafter, hosts).app
 
 
 def is_loopback(host: str) -> bool:
@@ -497,9 +665,12 @@ def check_host(host: str, token: str | None) -> None:
                         "(--api-token-file, --token-file or $MOASPEC_TOKEN) or listen on 127.0.0.1")
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **tls: str) -> None:
     """Run the API until interrupted."""
     import uvicorn
 
     check_host(host, app.state.api.token)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, **tls)
+    finally:
+        app.state.api.close()
