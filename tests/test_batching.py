@@ -291,3 +291,33 @@ def test_metrics_and_openapi_are_not_open(int8_model, smol_folder):
     finally:
         run.stop()
         server.close()
+
+
+def test_generate_many_equals_lone_generations(smol_folder):
+    from moaspec.pipeline import SpecDecoder, generate_many
+
+    dec = SpecDecoder(SMOL, drafter="suffix", weights="int8", tree="adaptive:3", warmup=False)
+    prompts = ["Name a fruit.", "What is 2 + 2?", "Write a haiku about snow.", "", "Say hi."]
+    cfg = GenerationConfig(max_new_tokens=16)
+    lone = {i: dec.generate(p, cfg).token_ids for i, p in enumerate(prompts) if p}
+    got = dict(generate_many(dec, prompts, cfg, parallel=3))
+    assert sorted(got) == list(range(5))
+    assert isinstance(got[3], Exception) and "empty" in str(got[3])  # one bad prompt fails alone
+    assert {i: g.token_ids for i, g in got.items() if i != 3} == lone
+
+
+def test_cli_generates_a_jsonl_file_of_prompts(tmp_path, capsys):
+    import json
+
+    from moaspec.cli import main
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('"Name a color."\n{"prompt": "Count to three."}\n\n"Name a fruit."\n')
+    assert main(["generate", "--prompt-file", str(f), "--weights", "int8", "--max-new-tokens", "6",
+                 "--drafter", "lookup", "--parallel", "2"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["index"] for x in lines] == [0, 1, 2] and all(1 <= x["new_tokens"] <= 6 and x["text"] for x in lines)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n')
+    assert main(["generate", "--prompt-file", str(bad)]) == 2
+    assert "line 1" in capsys.readouterr().err

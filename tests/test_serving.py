@@ -17,10 +17,12 @@ import sys
 import threading
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 import torch
 from servers import Running
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from moaspec.decoding.context import decode, encode
@@ -431,3 +433,92 @@ def test_token_file_reading(tmp_path, monkeypatch):
     monkeypatch.delenv("MOASPEC_TOKEN")
     with pytest.raises(UserError, match="no bearer token"):
         read_token(None)
+
+
+# ----------------------------------------------------------------------------- review fixes
+def test_deep_json_is_a_protocol_error(served):
+    _, run = served
+    ws = _raw(run)
+    frame = b'{"type": "start", "prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    ws.send(len(frame).to_bytes(4, "little") + frame)
+    header, _ = unpack(ws.recv(timeout=10))
+    assert header["type"] == "error" and not header["fatal"] and "nests too deeply" in header["message"]
+    assert _ask(ws, pack({"type": "ping"}))["type"] == "pong"  # the session lives on
+    ws.close()
+
+
+def test_pings_do_not_keep_an_idle_session_open(smol_folder):
+    model = Transformer(smol_folder, weights="int8", max_seq_len=256)
+    fp = weights_fingerprint(smol_folder)
+    server = TargetServer(model, SMOL, fp, TOKEN, {}, Limits(max_prompt_tokens=64, max_seq_len=256,
+                                                             idle_timeout_s=1.0))
+    run = Running(server.app, scheme="ws")
+    try:
+        ws = _raw(run)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionClosed):  # closed although it pinged every 0.2 s
+            while time.monotonic() - t0 < 5:
+                ws.send(pack({"type": "ping"}))
+                ws.recv(timeout=2)
+                time.sleep(0.2)
+        assert 0.9 < time.monotonic() - t0 < 3
+    finally:
+        run.stop()
+        server.close()
+
+
+def test_a_resumed_generation_may_be_as_long_as_the_context(served, smol_tokenizer):
+    server, run = served
+    long = (smol_tokenizer.encode("one two three four five six seven eight nine ten ") * 80)[:700]
+    assert server.limits.max_prompt_tokens < len(long) < server.limits.max_seq_len
+    ws = _raw(run)
+    refused = _ask(ws, pack({"type": "start", "prompt": long}))
+    assert refused["type"] == "error" and "at most 512" in refused["message"]
+    resumed = _ask(ws, pack({"type": "start", "prompt": long, "resume": True, "max_new_tokens": 8}))
+    assert resumed["type"] == "step" and resumed["length"] == len(long)
+    ws.close()
+
+
+def test_reconnecting_stops_on_a_permanent_refusal(served):
+    server, run = served
+    remote = RemoteTarget(run.url, TOKEN)
+    saved = server.tokens_allowed
+    try:
+        server.tokens_allowed = ["another-token"]  # this client's token is revoked
+        remote.reconnect_in_background()
+        with pytest.raises(UserError, match="refused the bearer token"):
+            for _ in range(100):
+                remote.available()
+                time.sleep(0.05)
+        assert not remote._retry.is_alive()  # it stopped trying
+    finally:
+        server.tokens_allowed = saved
+        remote.shutdown()
+    assert not remote._retry.is_alive()
+
+
+def test_a_client_refuses_a_server_with_other_weights(served):
+    _, run = served
+    with pytest.raises(UserError, match="not the 0000"):  # checked on every (re)connection
+        RemoteTarget(run.url, TOKEN, fingerprint="0" * 16)
+
+
+def test_text_the_target_never_verified_is_counted_and_marked(served):
+    from moaspec.serving.openai_api import OpenAIServer
+
+    _, run = served
+    cfg = GenerationConfig(max_new_tokens=40, reconnect_timeout_s=0.5)
+    with ShapingProxy(("127.0.0.1", run.port)) as proxy:
+        client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
+                             tree="adaptive:4", target_timeout_s=2)
+        ids = client.encode(PROMPT)
+        steps = client.stream(ids, cfg)
+        tokens = list(next(steps)[1])
+        proxy.down("blackhole")
+        for _, new, _ in steps:
+            tokens += new
+        m = client.engine.metrics
+        assert 0 < m.unverified_in_output <= m.unverified_tokens and len(tokens) <= 40
+        usage = OpenAIServer._usage(SimpleNamespace(drafter="moa", dec=client), len(ids), len(tokens), m)
+        assert usage["unverified_tokens"] == m.unverified_in_output
+        client.remote.shutdown()

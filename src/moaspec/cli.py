@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text; '-' reads it from stdin")
-    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a file; '-' reads stdin")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a file; '-' reads stdin; a .jsonl "
+                     "file holds many prompts (one JSON string, or object with \"prompt\", per line), decoded "
+                     "together (--parallel at once, their target passes batched) into JSON lines in input order")
+    g.add_argument("--parallel", type=int, default=8, help="prompts of a .jsonl --prompt-file decoded at once")
     _add_model_args(g)
     _add_sampling_args(g)
     g.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
@@ -562,7 +565,65 @@ def _error(message: object) -> None:
 
 
 # ---------------------------------------------------------------------------------------- commands
+def _read_prompts(path: str) -> list[str]:
+    """The prompts of a JSON-lines file: a string, or an object with a string "prompt", per line."""
+    file = Path(path).expanduser()
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise _not_utf8(f"prompt file {file}", e.object[e.start], e.start) from None
+    except OSError as e:
+        raise UserError(f"cannot read prompt file {file}: {e.strerror or e}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise UserError(f"{file} line {n} is not JSON: {e}") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise UserError(f"{file} line {n}: expected a non-empty string or {{\"prompt\": \"...\"}}")
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f"{file} holds no prompts")
+    return prompts
+
+
+def _generate_file(args: argparse.Namespace) -> int:
+    """`generate --prompt-file F.jsonl`: every prompt, decoded together, one JSON line each in input order."""
+    from moaspec.pipeline import generate_many
+
+    prompts = _read_prompts(args.prompt_file)
+    if args.system is not None and args.no_chat:
+        raise UserError("--system needs the chat template; drop --no-chat or put the text in the prompts")
+    cfg = _generation_config(args)
+    tree = _tree_config(args)
+    _check_models(args)
+    dec = _load_decoder(args, tree)
+    if args.system is not None:
+        prompts_in: list = [[{"role": "system", "content": args.system}, {"role": "user", "content": q}]
+                            for q in prompts]
+    else:
+        prompts_in = list(prompts)
+    done: dict[int, dict] = {}
+    nxt, failed = 0, False
+    for i, gen in generate_many(dec, prompts_in, cfg, chat=not args.no_chat, parallel=args.parallel):
+        if isinstance(gen, Exception):
+            done[i] = {"index": i, "error": str(gen)}
+            failed = True
+        else:
+            done[i] = {"index": i, **gen.as_dict()}
+        while nxt in done:
+            print(json.dumps(done.pop(nxt), ensure_ascii=False), flush=True)
+            nxt += 1
+    return 1 if failed else 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompt_file and args.prompt_file != "-" and args.prompt_file.endswith(".jsonl"):
+        return _generate_file(args)
     prompt = _read_prompt(args)
     cfg = _generation_config(args)
     tree = _tree_config(args)

@@ -350,5 +350,44 @@ class SpecDecoder:
         return Generation("".join(parts), tokens, ids, finish, self.engine.metrics)
 
 
+def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]], cfg: GenerationConfig | None = None,
+                  chat: bool = True, parallel: int = 8) -> Iterator[tuple[int, Generation | Exception]]:
+    """Generate for many prompts together: up to `parallel` at once, each on its own fork of `dec`, their
+    target passes batched by one scheduler (each answer identical to a lone run's). Yields (index,
+    generation, or the error of that prompt alone) as each finishes."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    from moaspec.decoding.scheduler import Scheduler
+
+    if not isinstance(parallel, int) or parallel < 1:
+        raise UserError(f"parallel must be a positive integer, got {parallel!r}")
+    scheduler = Scheduler(dec.target) if dec.remote is None else None
+    idle = [dec.fork(scheduler) for _ in range(min(parallel, len(prompts)))]
+
+    def run(i: int) -> tuple[int, Generation | Exception]:
+        fork = idle.pop()
+        try:
+            return i, fork.generate(prompts[i], cfg, chat=chat)
+        except UserError as e:  # this prompt's fault (too long, empty): the others go on
+            return i, e
+        finally:
+            fork.release()
+            idle.append(fork)
+
+    forks = list(idle)
+    try:
+        with ThreadPoolExecutor(len(forks), thread_name_prefix="moaspec-gen") as pool:
+            pending = {pool.submit(run, i) for i in range(len(prompts))}
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    yield f.result()
+    finally:
+        for fork in forks:
+            fork.close()
+        if scheduler is not None:
+            scheduler.close()
+
+
 def _is_ids(prompt: object) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
