@@ -486,7 +486,8 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     dec = SpecDecoder(args.model, drafter="none", weights=args.weights, max_seq_len=args.max_context)
     fp = weights_fingerprint(dec.folder)
     encoders = load_encoders(dec.target, args.model, fp, folders)
-    server = TargetServer(dec.target, args.model, fp, tokens, encoders, limits, dec.pass_costs())
+    server = TargetServer(dec.target, args.model, fp, tokens, encoders, limits, dec.pass_costs(),
+                          scheduler_thread=False)
     batched = "batched passes" if dec.target.batch_invariant() else \
         "passes one session at a time (fp32 is not batch-invariant: use --weights fp16/int8/int4 to batch)"
     print(f"serving {args.model} ({args.weights}, {batched}) on {'wss' if tls else 'ws'}://{args.host}:{args.port} "
@@ -514,7 +515,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = ApiLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, parallel=args.parallel,
                        max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, gather_ms=args.gather_ms)
     dec = _load_decoder(args, tree)
-    app = create_app(dec, args.model, token=key, limits=limits, drafter=_drafter_name(args))
+    app = create_app(dec, args.model, token=key, limits=limits, drafter=_drafter_name(args), scheduler_thread=False)
     print(f"serving {_label(args)} as an OpenAI API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1 "
           f"({'key required' if key else 'open, loopback only'}; up to {args.parallel} requests together); "
           "Ctrl-C stops", file=sys.stderr)

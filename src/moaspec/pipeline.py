@@ -352,19 +352,23 @@ class SpecDecoder:
 
 def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]], cfg: GenerationConfig | None = None,
                   chat: bool = True, parallel: int = 8) -> Iterator[tuple[int, Generation | Exception]]:
-    """Generate for many prompts together: up to `parallel` at once, each on its own fork of `dec`, their
-    target passes batched by one scheduler (each answer identical to a lone run's). Yields (index,
+    """Generate for many prompts together: up to `parallel` at once, each on its own fork of `dec` in a
+    thread of its own, their target passes batched by one scheduler that runs on this thread (the one that
+    loaded the model, see `decoding.scheduler`); each answer is identical to a lone run's. Yields (index,
     generation, or the error of that prompt alone) as each finishes."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     from moaspec.decoding.scheduler import Scheduler
+    from moaspec.threads import one_thread
 
     if not isinstance(parallel, int) or parallel < 1:
         raise UserError(f"parallel must be a positive integer, got {parallel!r}")
-    scheduler = Scheduler(dec.target) if dec.remote is None else None
+    scheduler = Scheduler(dec.target, own_thread=False) if dec.remote is None else None
     idle = [dec.fork(scheduler) for _ in range(min(parallel, len(prompts)))]
+    forks = list(idle)
 
     def run(i: int) -> tuple[int, Generation | Exception]:
+        one_thread()
         fork = idle.pop()
         try:
             return i, fork.generate(prompts[i], cfg, chat=chat)
@@ -374,13 +378,16 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
             fork.release()
             idle.append(fork)
 
-    forks = list(idle)
     try:
         with ThreadPoolExecutor(len(forks), thread_name_prefix="moaspec-gen") as pool:
-            pending = {pool.submit(run, i) for i in range(len(prompts))}
+            pending = [pool.submit(run, i) for i in range(len(prompts))]
             while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for f in done:
+                if scheduler is not None:
+                    scheduler.step(timeout_s=0.01)
+                else:
+                    wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+                for f in [f for f in pending if f.done()]:
+                    pending.remove(f)
                     yield f.result()
     finally:
         for fork in forks:

@@ -67,3 +67,13 @@ def set_threads(n: int | None) -> int:
                         f"usable cores), not {n!r}")
     torch.set_num_threads(n)
     return n
+
+
+def one_thread() -> None:
+    """Run this thread's torch work on this thread alone: for the threads of sequences that a `Scheduler`
+    runs passes for (verifying, drafting), so that they start no OpenMP team of their own beside the one
+    of the passes (see `decoding.scheduler`)."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)

@@ -122,7 +122,8 @@ class Server:
 async def _ask(client: httpx.AsyncClient, url: str, model: str, question: str, max_tokens: int,
                req: Request) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "cache_prompt": False}  # llama-server would reuse a slot's cache of an earlier run's same prompt
     t0 = time.perf_counter()
     first = last = None
     parts: list[str] = []

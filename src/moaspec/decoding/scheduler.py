@@ -11,6 +11,13 @@ batching never changes a token.
 
 After a pass, the sequences it served are expected back soon (they verify and draft, then submit
 again): the next pass waits for them up to `gather_ms`, so that they share it rather than alternate.
+
+Threads: the passes should run on the thread that loaded the model, and the sequences' threads should
+run their own torch work on one thread each (`threads.one_thread`). torch's OpenMP runtime keeps a team
+of worker threads per thread that starts parallel work; a second team on two cores made every pass
+~1.5x slower (Qwen 0.5B int8: 16 -> 25 ms a step, and 19 ms even after the second thread ended), as
+libgomp throttles its spin-waits once it manages more threads than there are cores. So a server runs
+`run_forever` on its main thread (`own_thread=False`) and its I/O elsewhere.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import torch
 
 from moaspec.errors import ContextLengthError, UserError
 from moaspec.models.runtime import ForwardOut, Rows, Transformer
@@ -51,12 +60,15 @@ class _Item:
 class Scheduler:
     """Runs the forward passes of every sequence of one model in one thread, batched."""
 
-    def __init__(self, model: Transformer, max_rows: int = 256, gather_ms: float = 5.0):
+    def __init__(self, model: Transformer, max_rows: int = 256, gather_ms: float = 5.0, own_thread: bool = True):
+        """`own_thread`: run the passes on a thread of its own (started here), else on the thread that calls
+        `run_forever`."""
         if not isinstance(max_rows, int) or max_rows < 1:
             raise UserError(f"max_rows must be a positive integer, got {max_rows!r}")
         if not gather_ms >= 0:
             raise UserError(f"gather_ms must be >= 0, got {gather_ms!r}")
         self.model = model
+        self.threads = torch.get_num_threads()  # the passes' kernels use the process's thread count
         self.max_rows = max_rows
         self.gather_s = gather_ms / 1e3
         self.stats = SchedulerStats()
@@ -64,8 +76,14 @@ class Scheduler:
         self._expected: set[int] = set()  # owners served by the last pass, not back yet
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="moaspec-scheduler", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if own_thread:
+            self._thread = threading.Thread(target=self.run_forever, name="moaspec-scheduler", daemon=True)
+            self._thread.start()
+
+    @property
+    def has_thread(self) -> bool:
+        return self._thread is not None
 
     @property
     def queued(self) -> int:
@@ -107,18 +125,22 @@ class Scheduler:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=30)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
         for item in list(self._queue):
             item.future.set_exception(UserError("the scheduler shut down"))
         self._queue.clear()
 
     # ------------------------------------------------------------------ the loop
-    def _gather(self) -> list[_Item] | None:
+    def _gather(self, timeout_s: float | None = None) -> list[_Item] | None:
+        """The next pass's items (waiting up to `timeout_s` for the first: [] if none came); None once closed."""
         with self._cond:
-            while not self._queue and not self._closed:
-                self._cond.wait()
+            if not self._queue and not self._closed:
+                self._cond.wait_for(lambda: self._queue or self._closed, timeout_s)
             if self._closed:
                 return None
+            if not self._queue:
+                return []
             deadline = time.perf_counter() + self.gather_s
             while self._expected and not self._closed:
                 left = deadline - time.perf_counter()
@@ -132,29 +154,42 @@ class Scheduler:
                 rows += item.rows.n
             return batch
 
-    def _loop(self) -> None:
-        while (batch := self._gather()) is not None:
-            t = time.perf_counter()
+    def run_forever(self) -> None:
+        """Run passes until `close` (on the scheduler's own thread, or the caller's)."""
+        torch.set_num_threads(self.threads)
+        while self.step():
+            pass
+
+    def step(self, timeout_s: float | None = None) -> bool:
+        """Run one pass over what waits (waiting up to `timeout_s` for work: None, until some comes or the
+        scheduler is closed). False once closed."""
+        batch = self._gather(timeout_s)
+        if batch is None:
+            return False
+        if not batch:
+            return True
+        t = time.perf_counter()
+        try:
+            outs = self.model.forward_batch([item.rows for item in batch])
+        except Exception:  # one sequence's bad rows must not fail the others: run each alone
+            outs = None
+        for i, item in enumerate(batch):
+            if outs is not None:
+                item.future.set_result(outs[i])
+                continue
             try:
-                outs = self.model.forward_batch([item.rows for item in batch])
-            except Exception:  # one sequence's bad rows must not fail the others: run each alone
-                outs = None
-            for i, item in enumerate(batch):
-                if outs is not None:
-                    item.future.set_result(outs[i])
-                    continue
-                try:
-                    item.future.set_result(self.model.forward_batch([item.rows])[0])
-                except Exception as e:
-                    item.future.set_exception(e)
-            s = self.stats
-            s.busy_s += time.perf_counter() - t
-            rows = sum(item.rows.n for item in batch)
-            s.rows_per_pass[next((b for b in ROW_BUCKETS if rows <= b), float("inf"))] += 1
-            s.seqs_per_pass[len(batch)] += 1
-            s.max_wait_passes = max(s.max_wait_passes, *(s.passes - item.queued_at_pass for item in batch))
-            s.passes += 1
-            s.rows += rows
-            s.sequences += len(batch)
-            with self._cond:
-                self._expected = {id(item.owner) for item in batch} - {id(i.owner) for i in self._queue}
+                item.future.set_result(self.model.forward_batch([item.rows])[0])
+            except Exception as e:
+                item.future.set_exception(e)
+        s = self.stats
+        s.busy_s += time.perf_counter() - t
+        rows = sum(item.rows.n for item in batch)
+        s.rows_per_pass[next((b for b in ROW_BUCKETS if rows <= b), float("inf"))] += 1
+        s.seqs_per_pass[len(batch)] += 1
+        s.max_wait_passes = max(s.max_wait_passes, *(s.passes - item.queued_at_pass for item in batch))
+        s.passes += 1
+        s.rows += rows
+        s.sequences += len(batch)
+        with self._cond:
+            self._expected = {id(item.owner) for item in batch} - {id(i.owner) for i in self._queue}
+        return True

@@ -60,6 +60,8 @@ from moaspec.models.runtime import PREFILL_CHUNK
 from moaspec.serving.admission import Admission
 from moaspec.serving.metrics import Rate, ServerCollector, exposition, registry
 from moaspec.serving.protocol import Busy
+from moaspec.serving.runner import serve as run
+from moaspec.threads import one_thread
 
 if TYPE_CHECKING:
     from moaspec.pipeline import SpecDecoder
@@ -248,8 +250,9 @@ class OpenAIServer:
     """A SpecDecoder served under a model name, with its limits and optional bearer key."""
 
     def __init__(self, dec: SpecDecoder, model_name: str, token: str | None = None, limits: ApiLimits | None = None,
-                 drafter: str | None = None, hosts: tuple[str, ...] = ()):
-        """`hosts`: names this server is reached by besides loopback ones (checked when it has no key)."""
+                 drafter: str | None = None, hosts: tuple[str, ...] = (), scheduler_thread: bool = True):
+        """`hosts`: names this server is reached by besides loopback ones (checked when it has no key);
+        `scheduler_thread`: as `TargetServer`'s."""
         self.dec, self.model_name, self.token = dec, model_name, token or None
         self.limits = lim = limits or ApiLimits()
         self.drafter = drafter
@@ -257,7 +260,8 @@ class OpenAIServer:
         self.created = int(time.time())
         self.hosts = {"localhost", "127.0.0.1", "::1", *hosts}
         # a local target's passes, batched over the concurrent generations (a remote one batches on its server)
-        self.scheduler = Scheduler(dec.target, lim.max_batch_rows, lim.gather_ms) if dec.remote is None else None
+        self.scheduler = Scheduler(dec.target, lim.max_batch_rows, lim.gather_ms, own_thread=scheduler_thread) \
+            if dec.remote is None else None
         self.admission = Admission(lim.kv_memory_mb << 20, lim.max_waiting, max_holders=lim.parallel)
         self.forks: list[SpecDecoder] = []  # idle decoders, one per generation that ran at once
         self.threads = anyio.CapacityLimiter(lim.parallel + 4)
@@ -283,6 +287,10 @@ class OpenAIServer:
         self.forks.clear()
         if self.scheduler is not None:
             self.scheduler.close()
+
+    def _fork(self) -> SpecDecoder:
+        one_thread()
+        return self.dec.fork(self.scheduler)
 
     def _reservation(self, prompt_tokens: int, max_new: int) -> int:
         """KV bytes a generation may fill: its prompt, its tokens and one tree (a remote target's: none here)."""
@@ -327,6 +335,10 @@ class OpenAIServer:
         return self.dec.engine.target.max_seq_len
 
     def _prepare(self, req: _Request) -> tuple[list[int], GenerationConfig]:
+        one_thread()
+        return self._prepare_request(req)
+
+    def _prepare_request(self, req: _Request) -> tuple[list[int], GenerationConfig]:
         """Token ids of the prompt and the generation settings, checked against the limits (runs in the
         worker thread, under the lock: the tokenizer is not shared across threads)."""
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -422,6 +434,7 @@ class OpenAIServer:
         done = object()
 
         def step(it):
+            one_thread()  # this generation's own torch work: no OpenMP team beside the passes'
             with torch.no_grad():
                 return next(it, done)
 
@@ -435,7 +448,7 @@ class OpenAIServer:
         fork = None
         try:
             fork = self.forks.pop() if self.forks else \
-                await anyio.to_thread.run_sync(self.dec.fork, self.scheduler, limiter=self.threads)
+                await anyio.to_thread.run_sync(self._fork, limiter=self.threads)
             it = fork.stream(ids, cfg)
             try:
                 while not stop.is_set() and not await request.is_disconnected():
@@ -642,11 +655,11 @@ class SameSiteOnly:
 
 
 def create_app(dec: SpecDecoder, model_name: str, token: str | None = None, limits: ApiLimits | None = None,
-               drafter: str | None = None, hosts: tuple[str, ...] = ()) -> FastAPI:
+               drafter: str | None = None, hosts: tuple[str, ...] = (), scheduler_thread: bool = True) -> FastAPI:
     """The API over `dec`, serving it as `model_name`; `token`: the bearer key clients must send (None:
     open); `drafter`: its name in `usage.speculative` (default: the drafter's own); `hosts`: names it is
-    reached by besides loopback ones."""
-    return OpenAIServer(dec, model_name, token, limits, drafter, hosts).app
+    reached by besides loopback ones; `scheduler_thread`: False when `serve` runs the passes on its thread."""
+    return OpenAIServer(dec, model_name, token, limits, drafter, hosts, scheduler_thread).app
 
 
 def is_loopback(host: str) -> bool:
@@ -666,11 +679,10 @@ def check_host(host: str, token: str | None) -> None:
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **tls: str) -> None:
-    """Run the API until interrupted."""
-    import uvicorn
-
+    """Run the API until interrupted (the batched passes on this thread unless the scheduler has its own)."""
     check_host(host, app.state.api.token)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5, **tls)
+        run(app, app.state.api.scheduler, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+            **tls)
     finally:
         app.state.api.close()

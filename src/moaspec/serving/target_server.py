@@ -54,6 +54,8 @@ from moaspec.serving.protocol import (
     tree_from_wire,
     unpack,
 )
+from moaspec.serving.runner import serve as run
+from moaspec.threads import one_thread
 
 log = logging.getLogger("moaspec.serve")
 
@@ -166,7 +168,9 @@ class TargetServer:
 
     def __init__(self, model: Transformer, name: str, fingerprint: str, token: str | list[str],
                  encoders: dict[str, ContextEncoder] | None = None, limits: Limits | None = None,
-                 pass_costs: dict[int, float] | None = None):
+                 pass_costs: dict[int, float] | None = None, scheduler_thread: bool = True):
+        """`scheduler_thread`: run the batched passes on a thread of their own (in-process use, tests);
+        False: on the thread that calls `serve` (the CLI's main thread, which loaded the model)."""
         tokens = [token] if isinstance(token, str) else list(token)
         if not tokens or not all(tokens):
             raise UserError("the target server needs a bearer token: pass --token-file or set MOASPEC_TOKEN")
@@ -177,7 +181,8 @@ class TargetServer:
             raise UserError(f"max_seq_len {self.limits.max_seq_len} exceeds the model's context {model.max_seq_len}")
         self.pass_costs = pass_costs or {}
         self.stats = Stats()
-        self.scheduler = Scheduler(model, self.limits.max_batch_rows, self.limits.gather_ms)
+        self.scheduler = Scheduler(model, self.limits.max_batch_rows, self.limits.gather_ms,
+                                   own_thread=scheduler_thread)
         self.admission = Admission(self.limits.kv_memory_mb << 20, self.limits.max_waiting)
         self.tokens = Rate()
         self.registry = registry(ServerCollector(self.scheduler, self.tokens, self._gauges))
@@ -212,7 +217,11 @@ class TargetServer:
         return ok[0] if ok else None
 
     async def _compute(self, fn, *args):
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.threads)
+        def call():
+            one_thread()  # a session's own torch work: no OpenMP team beside the passes'
+            return fn(*args)
+
+        return await anyio.to_thread.run_sync(call, limiter=self.threads)
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="moaspec target server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -342,14 +351,13 @@ def busy_frame(message: str, retry_after: float, fatal: bool = False) -> bytes:
 def serve(server: TargetServer, host: str = "127.0.0.1", port: int = 8765, ssl_certfile: str | None = None,
           ssl_keyfile: str | None = None) -> None:
     """Run the server until interrupted (uvicorn; messages bounded by `Limits.max_message_bytes`, connections
-    by `max_connections`: past that uvicorn answers 503 before any handshake work)."""
-    import uvicorn
-
+    by `max_connections`: past that uvicorn answers 503 before any handshake work); the batched passes run
+    on this thread unless the scheduler has its own."""
     torch.set_grad_enabled(False)
     try:
-        uvicorn.run(server.app, host=host, port=port, ws_max_size=server.limits.max_message_bytes,
-                    log_level="warning", ws_ping_interval=20.0, ws_ping_timeout=20.0,
-                    limit_concurrency=server.limits.max_connections + 16, timeout_keep_alive=5,
-                    ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
+        run(server.app, server.scheduler, host=host, port=port, ws_max_size=server.limits.max_message_bytes,
+            log_level="warning", ws_ping_interval=20.0, ws_ping_timeout=20.0,
+            limit_concurrency=server.limits.max_connections + 16, timeout_keep_alive=5,
+            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
     finally:
         server.close()

@@ -1,0 +1,44 @@
+"""Running a server process: HTTP on a thread of its own, the batched passes on the main thread.
+
+The main thread loaded the model; its passes stay there (`decoding.scheduler`: one OpenMP team in the
+process), and uvicorn's event loop, which does no torch work, runs beside it. Ctrl-C and SIGTERM end
+both; so does uvicorn stopping on its own (a port in use).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from moaspec.decoding.scheduler import Scheduler
+
+
+def serve(app: Any, scheduler: Scheduler | None, **config: Any) -> None:
+    """Serve `app` with uvicorn (`config`: its settings) until interrupted; `scheduler`, if it has no
+    thread of its own, runs its passes on this thread meanwhile."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, **config))
+    if scheduler is None or scheduler.has_thread:
+        server.run()
+        return
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:
+            scheduler.close()  # uvicorn stopped: so do the passes
+
+    thread = threading.Thread(target=http, name="moaspec-http", daemon=True)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    thread.start()
+    try:
+        scheduler.run_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.should_exit = True
+        thread.join(timeout=15)
+        scheduler.close()
