@@ -321,3 +321,50 @@ def test_cli_generates_a_jsonl_file_of_prompts(tmp_path, capsys):
     bad.write_text('{"prompt": 3}\n')
     assert main(["generate", "--prompt-file", str(bad)]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- admission
+def test_admission_is_fifo_bounded_and_gives_back_what_leaves():
+    import asyncio
+
+    from moaspec.serving.admission import Admission
+    from moaspec.serving.protocol import Busy, ProtocolError
+
+    async def scenario():
+        a = Admission(budget=100, max_waiting=2, max_holders=3)
+        first = await a.acquire(60)
+        order: list[str] = []
+
+        async def wait(name: str, n: int) -> float:
+            granted = await a.acquire(n, every_s=0.01)
+            order.append(name)
+            return granted
+
+        big = asyncio.create_task(wait("big", 70))  # does not fit beside the first: waits
+        await asyncio.sleep(0.01)
+        small = asyncio.create_task(wait("small", 10))  # fits, but the queue is first come first served
+        await asyncio.sleep(0.01)
+        assert a.waiting == 2 and a.full() and order == []
+        try:
+            await a.acquire(1)
+            raise AssertionError("a full queue must refuse")
+        except Busy as e:
+            assert e.retry_after >= 1
+        try:
+            await a.acquire(101)
+            raise AssertionError("more than the budget can never be granted")
+        except ProtocolError:
+            pass
+        a.release(60, first)
+        g_big, g_small = await big, await small
+        assert order == ["big", "small"] and a.used == 80 and a.holders == 2
+        gone = asyncio.create_task(wait("gone", 50))  # waits, then its client goes away
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        assert a.waiting == 0
+        a.release(70, g_big)
+        a.release(10, g_small)
+        assert a.used == 0 and a.holders == 0
+
+    asyncio.run(scenario())

@@ -124,7 +124,15 @@ async def _ask(client: httpx.AsyncClient, url: str, model: str, question: str, m
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             "cache_prompt": False}  # llama-server would reuse a slot's cache of an earlier run's same prompt
-    t0 = time.perf_counter()
+    for attempt in range(2):  # a kept-alive connection the server closed meanwhile fails at once: once more
+        t0 = time.perf_counter()
+        await _stream(client, url, body, req, t0)
+        if req.error is None or not req.error.startswith("RemoteProtocolError") or req.text or attempt:
+            return
+        req.error = None
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, req: Request, t0: float) -> None:
     first = last = None
     parts: list[str] = []
     try:
@@ -147,6 +155,7 @@ async def _ask(client: httpx.AsyncClient, url: str, model: str, question: str, m
                         parts.append(text)
     except httpx.HTTPError as e:
         req.error = f"{type(e).__name__}: {e}"
+        req.text = "".join(parts)  # what came before the failure (nothing: the request may be sent again)
         return
     req.text = "".join(parts)
     if first is None:
