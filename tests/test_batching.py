@@ -368,3 +368,23 @@ def test_admission_is_fifo_bounded_and_gives_back_what_leaves():
         assert a.used == 0 and a.holders == 0
 
     asyncio.run(scenario())
+
+
+def test_data_engine_writes_the_answers_of_the_mode_it_serves(smol_tokenizer):
+    from moaspec.decoding.sampling import SamplingParams
+    from moaspec.pipeline import SpecDecoder
+    from moaspec.training.generators import Request, RuntimeGenerator
+
+    eos = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    gen = RuntimeGenerator(SMOL, "int8", eos, parallel=3, max_len=512)
+    prompts = _prompts(smol_tokenizer)[:4]
+    reqs = [Request(f"q{i}", p, 0.0 if i % 2 else 0.7, 10 + i) for i, p in enumerate(prompts)]
+    answers = {a.key: a for a in gen.generate(reqs, 20)}
+    assert sorted(answers) == ["q0", "q1", "q2", "q3"]
+    lone = SpecDecoder(SMOL, weights="int8", warmup=False)
+    for r in reqs:
+        want = lone.generate(r.prompt, GenerationConfig(max_new_tokens=20, sampling=SamplingParams(r.temperature,
+                                                                                                 seed=r.seed)))
+        a = answers[r.key]
+        assert a.tokens[:len(want.token_ids)] == want.token_ids and a.finished == (want.finish_reason == "stop")
+        assert a.tokens[len(want.token_ids):] == ([eos] if a.finished else [])

@@ -28,6 +28,7 @@ from moaspec.models.store import DEFAULT_MODEL, MODELS
 from moaspec.serving.openai_api import API_KEY_ENV, ApiLimits
 from moaspec.serving.protocol import Limits
 from moaspec.threads import MAX_THREADS, set_threads
+from moaspec.training.data import ENGINES as DATA_ENGINES
 
 EXIT_USAGE = 2
 EXIT_INTERRUPT = 130
@@ -138,8 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=int, default=30_000, help="size of the prompt pool generation draws from")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--max-new-tokens", type=int, default=1024)
-    d.add_argument("--engine", default="auto", choices=("auto", "llama.cpp", "transformers"),
-                   help="what writes the answers: llama.cpp's batched server (`make llama-cpp`) where built")
+    d.add_argument("--engine", default="auto", choices=DATA_ENGINES,
+                   help="what writes the answers: llama.cpp's batched server (`make llama-cpp`) where built; "
+                        "moaspec: this runtime, batched, in the --weights mode the drafter will serve")
+    d.add_argument("--weights", default="fp16", choices=WEIGHT_MODES, help="--engine moaspec: the weight mode")
     d.add_argument("--parallel", type=int, default=8, help="answers decoded together")
     d.add_argument("--threads", type=int, default=1)
     d.add_argument("--out", default="data", help="data sets go to OUT/<model>-v<version>-seed<seed>/")
@@ -761,7 +764,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     cfg = DataConfig(model=args.model, tokens=args.tokens, text_fraction=args.text_fraction,
                      self_fraction=args.self_chat, prompts=args.prompts,
                      seed=args.seed, max_new_tokens=args.max_new_tokens, engine=args.engine, parallel=args.parallel,
-                     threads=args.threads)
+                     threads=args.threads, weights=args.weights)
     budget = None if args.time_budget is None else args.time_budget * 60
     manifest = Builder(cfg, Path(args.out)).run(budget)
     print(json.dumps(manifest, indent=1))

@@ -350,12 +350,17 @@ class SpecDecoder:
         return Generation("".join(parts), tokens, ids, finish, self.engine.metrics)
 
 
-def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]], cfg: GenerationConfig | None = None,
-                  chat: bool = True, parallel: int = 8) -> Iterator[tuple[int, Generation | Exception]]:
+def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
+                  cfg: GenerationConfig | list[GenerationConfig] | None = None, chat: bool = True,
+                  parallel: int = 8) -> Iterator[tuple[int, Generation | Exception]]:
     """Generate for many prompts together: up to `parallel` at once, each on its own fork of `dec` in a
     thread of its own, their target passes batched by one scheduler that runs on this thread (the one that
-    loaded the model, see `decoding.scheduler`); each answer is identical to a lone run's. Yields (index,
-    generation, or the error of that prompt alone) as each finishes."""
+    loaded the model, see `decoding.scheduler`); each answer is identical to a lone run's. `cfg`: one for
+    all, or one per prompt. Yields (index, generation, or the error of that prompt alone) as each
+    finishes."""
+    cfgs = cfg if isinstance(cfg, list) else [cfg] * len(prompts)
+    if len(cfgs) != len(prompts):
+        raise UserError(f"{len(cfgs)} generation configs for {len(prompts)} prompts")
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     from moaspec.decoding.scheduler import Scheduler
@@ -371,7 +376,7 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
         one_thread()
         fork = idle.pop()
         try:
-            return i, fork.generate(prompts[i], cfg, chat=chat)
+            return i, fork.generate(prompts[i], cfgs[i], chat=chat)
         except UserError as e:  # this prompt's fault (too long, empty): the others go on
             return i, e
         finally:

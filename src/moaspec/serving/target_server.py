@@ -281,7 +281,11 @@ class TargetServer:
 
         granted = await self.admission.acquire(need, queued)
         sess.reserved = (need, granted)
-        return await self._compute(sess.start, prompt, params, encoder, slots)
+        try:
+            return await self._compute(sess.start, prompt, params, encoder, slots)
+        except BaseException:  # no generation began: its memory goes back at once
+            sess.end()
+            raise
 
     async def _serve(self, ws: WebSocket) -> None:
         sess = Session(self)

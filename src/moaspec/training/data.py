@@ -40,6 +40,7 @@ from moaspec.training.prompts import FOLLOW_UPS, OPENERS, Prompt, build_prompts,
 from moaspec.training.stop import StopRequest
 
 DATA_VERSION = 2
+ENGINES = ("auto", "llama.cpp", "transformers", "moaspec")
 SOURCES = ("gen", "text", "self")
 SELF_USER_TOKENS = 160  # longest request the target may write for itself in self-chat
 SELF_USER_TEMPERATURE = 0.8  # at 1.0 a 0.5B target drifts into mixed languages within a request
@@ -60,7 +61,8 @@ class DataConfig:
     sampled_fraction: float = 0.5  # the rest is greedy
     temperature: float = 0.7
     val_fraction: float = 0.02
-    engine: str = "auto"  # "llama.cpp", "transformers" or "auto" (llama.cpp where built)
+    engine: str = "auto"  # "llama.cpp", "transformers", "moaspec" or "auto" (llama.cpp where built)
+    weights: str = "fp16"  # the "moaspec" engine's weight mode (the one the drafter will serve)
     parallel: int = 8  # requests decoded together
     threads: int = 1
     shard_tokens: int = 100_000
@@ -71,8 +73,8 @@ class DataConfig:
             raise UserError(f"bad data config: tokens {self.tokens} >= 1, text_fraction {self.text_fraction} "
                             f"and self_fraction {self.self_fraction} in [0, 1], max_new_tokens "
                             f"{self.max_new_tokens} >= 1")
-        if self.engine not in ("auto", "llama.cpp", "transformers"):
-            raise UserError(f"unknown engine {self.engine!r}; choose auto, llama.cpp or transformers")
+        if self.engine not in ENGINES:
+            raise UserError(f"unknown engine {self.engine!r}; choose {', '.join(ENGINES)}")
 
     def folder_name(self) -> str:
         return f"{self.model}-v{DATA_VERSION}-seed{self.seed}"
@@ -267,9 +269,12 @@ class Builder:
 
     # -------------------------------------------------------------- generation
     def engine(self):
-        from moaspec.training.generators import LlamaServer, TransformersGenerator
+        from moaspec.training.generators import LlamaServer, RuntimeGenerator, TransformersGenerator
 
         cfg = self.cfg
+        if cfg.engine == "moaspec":
+            return RuntimeGenerator(cfg.model, cfg.weights, self.eos, cfg.parallel,
+                                    cfg.max_prompt_tokens + cfg.max_new_tokens + 8)
         server = _llama_server()
         if cfg.engine == "llama.cpp" and server is None:
             raise UserError("llama-server is not built: run `make llama-cpp`, or pass --engine transformers")

@@ -1,9 +1,11 @@
-"""Engines that write the target's answers for the training data, fastest first.
+"""Engines that write the target's answers for the training data.
 
 The answers only need to be close to the target's own: the labels always come from the fp32
-target's pass over the finished text (teacher forcing). So the fastest engine here wins:
-llama.cpp's server with continuous batching over the quantised GGUF the model store checks
-(`make llama-cpp` builds it), else transformers' batched `generate` on the fp32 weights.
+target's pass over the finished text (teacher forcing). llama.cpp's server with continuous batching
+over the quantised GGUF the model store checks (`make llama-cpp` builds it) is the default where
+built, else transformers' batched `generate` on the fp32 weights. `RuntimeGenerator` writes them with
+this project's own runtime, batched, in the weight mode the drafter will serve (`--engine moaspec
+--weights MODE`): the answers of the target it will draft for.
 """
 
 from __future__ import annotations
@@ -135,6 +137,36 @@ class TransformersGenerator:
                 for r, row in zip(batch, gen[:, width:].tolist(), strict=True):
                     cut = next((j for j, t in enumerate(row) if t in self.stops), None)
                     yield Answer(r.key, row if cut is None else row[:cut] + [self.eos], cut is not None)
+
+    def close(self) -> None:
+        pass
+
+
+class RuntimeGenerator:
+    """This project's runtime in a weight mode, many answers at once (`pipeline.generate_many`: plain
+    decoding on forks of one model, their passes batched, each answer what that mode writes alone)."""
+
+    name = "moaspec"
+
+    def __init__(self, model: str, weights: str, eos: int, parallel: int, max_len: int):
+        from moaspec.pipeline import SpecDecoder
+
+        self.dec = SpecDecoder(model, drafter="none", weights=weights, max_seq_len=max_len)
+        self.eos, self.parallel = eos, parallel
+
+    def generate(self, requests: Sequence[Request], max_new: int) -> Iterator[Answer]:
+        from moaspec.decoding.engine import GenerationConfig
+        from moaspec.decoding.sampling import SamplingParams
+        from moaspec.pipeline import generate_many
+
+        requests = list(requests)
+        cfgs = [GenerationConfig(max_new_tokens=max_new, sampling=SamplingParams(r.temperature, seed=r.seed))
+                for r in requests]
+        for i, gen in generate_many(self.dec, [r.prompt for r in requests], cfgs, chat=False, parallel=self.parallel):
+            if isinstance(gen, Exception):
+                raise gen
+            finished = gen.finish_reason == "stop"
+            yield Answer(requests[i].key, gen.token_ids + ([self.eos] if finished else []), finished)
 
     def close(self) -> None:
         pass
