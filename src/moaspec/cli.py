@@ -519,9 +519,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, gather_ms=args.gather_ms)
     dec = _load_decoder(args, tree)
     app = create_app(dec, args.model, token=key, limits=limits, drafter=_drafter_name(args), scheduler_thread=False)
+    together = f"up to {args.parallel} requests together"
+    if dec.remote is None and not dec.target.batch_invariant():
+        together += " (fp32 is not batch-invariant: their passes run one after another; --weights fp16/int8/int4 " \
+                    "batches them)"
     print(f"serving {_label(args)} as an OpenAI API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1 "
-          f"({'key required' if key else 'open, loopback only'}; up to {args.parallel} requests together); "
-          "Ctrl-C stops", file=sys.stderr)
+          f"({'key required' if key else 'open, loopback only'}; {together}); Ctrl-C stops", file=sys.stderr)
     serve(app, args.host, args.port, **tls)
     return 0
 
