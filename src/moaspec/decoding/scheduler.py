@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moaspec.errors import ContextLengthError, UserError
+from moaspec.errors import UserError
 from moaspec.models.runtime import ForwardOut, Rows, Transformer
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the histogram of rows per pass
@@ -99,10 +99,7 @@ class Scheduler:
         return self.submit(rows, owner).result()
 
     def submit(self, rows: Rows, owner: object) -> Future:
-        cache = rows.cache
-        if cache.length + rows.n > cache.size:
-            raise ContextLengthError(f"context full: {cache.length} + {rows.n} tokens exceed the "
-                                     f"{cache.size}-token cache")
+        rows.cache.check_room(rows.n)  # here, not in the pass: one sequence's overflow must not fail a batch
         if rows.n > self.max_rows:
             raise UserError(f"{rows.n} rows in one pass; this scheduler runs at most {self.max_rows}")
         item = _Item(rows, owner)

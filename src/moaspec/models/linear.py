@@ -97,11 +97,17 @@ class Linear:
             y = self._small(x)
         return y if self.bias is None else y + self.bias
 
-    def kind(self, n: int) -> str:
-        """Which kernel a call with n rows runs (fp16 on a CPU: "few" or "fbgemm"; one kernel otherwise)."""
-        if self.packed is None:
-            return "one"
+    def _f16_kind(self, n: int) -> str:
+        """Which fp16 kernel a call with n rows runs: "few" or "fbgemm"."""
         return "few" if n <= FEW_ROWS and self.few_rows else "fbgemm"
+
+    def fbgemm_splits_agree(self, x: torch.Tensor, cuts: tuple[int, ...]) -> bool:
+        """Whether fbgemm's fp16 kernel gives the rows of x the same bits in one call as in pieces cut at
+        `cuts` (row indices): whether a row's result is independent of the rows beside it."""
+        bounds = (0, *cuts, x.shape[0])
+        pieces = [torch.ops.quantized.linear_dynamic_fp16(x[a:b].contiguous(), self.packed)
+                  for a, b in zip(bounds, bounds[1:], strict=False)]
+        return torch.equal(torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed), torch.cat(pieces))
 
     def _stacked(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """fp16 rows of several sequences: runs of neighbours whose lone calls take the same kernel go
@@ -110,7 +116,7 @@ class Linear:
         runs: list[tuple[str, int, int]] = []  # (kernel, first row, end row)
         start = 0
         for n in counts:
-            kind = self.kind(n)
+            kind = self._f16_kind(n)
             if runs and runs[-1][0] == kind and (kind == "few" or self.fbgemm_rows_independent):
                 runs[-1] = (kind, runs[-1][1], start + n)
             else:

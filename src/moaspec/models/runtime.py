@@ -208,12 +208,18 @@ class KVCache:
     def nbytes(self) -> int:
         return self.bytes_for(self.capacity)
 
-    def reserve(self, end: int) -> None:
-        """Make slots [0, end) writable: grow to the next block, at least doubling (amortised copies)."""
+    def check_room(self, n: int) -> None:
+        """ContextLengthError unless n more rows fit after the committed slots."""
+        if self.length + n > self.size:
+            raise ContextLengthError(f"context full: {self.length} + {n} tokens exceed the {self.size}-token cache")
+
+    def reserve(self, n: int) -> None:
+        """Make n more slots after the committed ones writable (`check_room`): grow to the next block, at
+        least doubling (amortised copies)."""
+        self.check_room(n)
+        end = self.length + n
         if end <= self.capacity:
             return
-        if end > self.size:
-            raise ContextLengthError(f"context full: {end} tokens exceed the {self.size}-token cache")
         grown = min(self.size, max(-(-end // self.BLOCK) * self.BLOCK, 2 * self.capacity))
         L, H, old, d = self.k.shape
         with torch.inference_mode(False):  # called inside passes; the cache must stay writable outside them
@@ -374,11 +380,8 @@ class Transformer:
         for lin in lins:
             lin.set_few_rows(False)
         gen = torch.Generator().manual_seed(0)
-        independent = True
-        for lin in {(lin.out_features, lin.in_features): lin for lin in lins}.values():
-            x = torch.randn(8, lin.in_features, generator=gen)
-            rows = lin(x)
-            independent &= all(torch.equal(lin(x[r:r + 1])[0], rows[r]) for r in range(8))
+        independent = all(lin.fbgemm_splits_agree(torch.randn(8, lin.in_features, generator=gen), tuple(range(1, 8)))
+                          for lin in {(lin.out_features, lin.in_features): lin for lin in lins}.values())
         entry: dict = {"fbgemm_rows_independent": independent}
         if not independent:
             entry["few_rows"] = True
@@ -457,15 +460,11 @@ class Transformer:
             packed = [lin for lin in self.linears() if lin.packed is not None]  # fp16 (also a layer int4 cannot take)
             if ok and packed:
                 gen = torch.Generator().manual_seed(0)
-                for lin in {(lin.out_features, lin.in_features): lin for lin in packed}.values():
-                    x = torch.randn(40, lin.in_features, generator=gen)
-                    whole = torch.ops.quantized.linear_dynamic_fp16(x, lin.packed)
-                    parts = [torch.ops.quantized.linear_dynamic_fp16(x[a:b].contiguous(), lin.packed)
-                             for a, b in ((0, 1), (1, 9), (9, 40))]
-                    independent = torch.equal(whole, torch.cat(parts))
-                    for same in packed:
-                        if (same.out_features, same.in_features) == (lin.out_features, lin.in_features):
-                            same.fbgemm_rows_independent = independent
+                shapes = {(lin.out_features, lin.in_features): lin for lin in packed}
+                agree = {shape: lin.fbgemm_splits_agree(torch.randn(40, lin.in_features, generator=gen), (1, 9))
+                         for shape, lin in shapes.items()}
+                for lin in packed:
+                    lin.fbgemm_rows_independent = agree[(lin.out_features, lin.in_features)]
             self._batch_invariant = ok
         return self._batch_invariant
 
@@ -481,9 +480,7 @@ class Transformer:
         masks, cos, sin = [], [], []
         for s, n in zip(seqs, counts, strict=True):
             start = s.cache.length
-            if start + n > s.cache.size:
-                raise ContextLengthError(f"context full: {start} + {n} tokens exceed the {s.cache.size}-token cache")
-            s.cache.reserve(start + n)
+            s.cache.reserve(n)
             positions = torch.arange(start, start + n, device=self.device) if s.positions is None else s.positions
             cos.append(self.cos[positions])
             sin.append(self.sin_signed[positions])

@@ -60,8 +60,8 @@ from moaspec.models.runtime import PREFILL_CHUNK
 from moaspec.serving.admission import Admission
 from moaspec.serving.metrics import Rate, ServerCollector, exposition, registry
 from moaspec.serving.protocol import Busy
+from moaspec.serving.runner import in_worker
 from moaspec.serving.runner import serve as run
-from moaspec.threads import one_thread
 
 if TYPE_CHECKING:
     from moaspec.pipeline import SpecDecoder
@@ -288,10 +288,6 @@ class OpenAIServer:
         if self.scheduler is not None:
             self.scheduler.close()
 
-    def _fork(self) -> SpecDecoder:
-        one_thread()
-        return self.dec.fork(self.scheduler)
-
     def _reservation(self, prompt_tokens: int, max_new: int) -> int:
         """KV bytes a generation may fill: its prompt, its tokens and one tree (a remote target's: none here)."""
         if self.dec.remote is not None:
@@ -335,10 +331,6 @@ class OpenAIServer:
         return self.dec.engine.target.max_seq_len
 
     def _prepare(self, req: _Request) -> tuple[list[int], GenerationConfig]:
-        one_thread()
-        return self._prepare_request(req)
-
-    def _prepare_request(self, req: _Request) -> tuple[list[int], GenerationConfig]:
         """Token ids of the prompt and the generation settings, checked against the limits (runs in the
         worker thread, under the lock: the tokenizer is not shared across threads)."""
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -401,7 +393,7 @@ class OpenAIServer:
 
     async def _prepared(self, req: _Request) -> tuple[list[int], GenerationConfig]:
         try:
-            return await anyio.to_thread.run_sync(self._prepare, req, limiter=self.threads)
+            return await in_worker(self._prepare, req, limiter=self.threads)
         except ApiError:
             raise
         except Exception as e:
@@ -434,7 +426,6 @@ class OpenAIServer:
         done = object()
 
         def step(it):
-            one_thread()  # this generation's own torch work: no OpenMP team beside the passes'
             with torch.no_grad():
                 return next(it, done)
 
@@ -448,11 +439,11 @@ class OpenAIServer:
         fork = None
         try:
             fork = self.forks.pop() if self.forks else \
-                await anyio.to_thread.run_sync(self._fork, limiter=self.threads)
+                await in_worker(self.dec.fork, self.scheduler, limiter=self.threads)
             it = fork.stream(ids, cfg)
             try:
                 while not stop.is_set() and not await request.is_disconnected():
-                    item = await anyio.to_thread.run_sync(step, it, limiter=self.threads)
+                    item = await in_worker(step, it, limiter=self.threads)
                     if item is done:
                         finished = True
                         break

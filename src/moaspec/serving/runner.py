@@ -9,9 +9,25 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
 
 from moaspec.decoding.scheduler import Scheduler
+from moaspec.threads import one_thread
+
+T = TypeVar("T")
+
+
+async def in_worker(fn: Callable[..., T], *args: Any, limiter: anyio.CapacityLimiter) -> T:
+    """`fn(*args)` in a worker thread whose torch work runs on that thread alone (`threads.one_thread`):
+    a session's own work beside the passes, which keep the process's one OpenMP team."""
+    def call() -> T:
+        one_thread()
+        return fn(*args)
+
+    return await anyio.to_thread.run_sync(call, limiter=limiter)
 
 
 def serve(app: Any, scheduler: Scheduler | None, **config: Any) -> None:

@@ -54,8 +54,8 @@ from moaspec.serving.protocol import (
     tree_from_wire,
     unpack,
 )
+from moaspec.serving.runner import in_worker
 from moaspec.serving.runner import serve as run
-from moaspec.threads import one_thread
 
 log = logging.getLogger("moaspec.serve")
 
@@ -217,11 +217,7 @@ class TargetServer:
         return ok[0] if ok else None
 
     async def _compute(self, fn, *args):
-        def call():
-            one_thread()  # a session's own torch work: no OpenMP team beside the passes'
-            return fn(*args)
-
-        return await anyio.to_thread.run_sync(call, limiter=self.threads)
+        return await in_worker(fn, *args, limiter=self.threads)
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="moaspec target server", docs_url=None, redoc_url=None, openapi_url=None)
