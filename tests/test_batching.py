@@ -388,3 +388,46 @@ def test_data_engine_writes_the_answers_of_the_mode_it_serves(smol_tokenizer):
         a = answers[r.key]
         assert a.tokens[:len(want.token_ids)] == want.token_ids and a.finished == (want.finish_reason == "stop")
         assert a.tokens[len(want.token_ids):] == ([eos] if a.finished else [])
+
+
+def test_data_engine_stores_the_features_of_its_answers_from_the_same_passes(smol_tokenizer, tmp_path):
+    """One pass per token: the features recorded while the answers were written are the target's own (a
+    whole-sequence pass in the same mode gives the same K/V and hidden states up to fp16 storage), cover
+    every position, and the feature cache reads them instead of computing."""
+    import numpy as np
+
+    from moaspec.models.runtime import Transformer
+    from moaspec.models.store import resolve
+    from moaspec.training.features import AnswerFeatures, FeatureCache, compute
+    from moaspec.training.generators import Request, RuntimeGenerator
+
+    eos = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    gen = RuntimeGenerator(SMOL, "fp16", eos, parallel=3, max_len=256, features=True)
+    L = gen.dec.target.cfg.num_layers
+    assert gen.features == (L - 3, L - 1, L)
+    prompts = _prompts(smol_tokenizer)[:3]
+    reqs = [Request(f"q{i}", p, 0.0 if i % 2 else 0.7, 10 + i) for i, p in enumerate(prompts)]
+    answers = {a.key: a for a in gen.generate(reqs, 12)}
+    store = AnswerFeatures("fp", "fp16", root=tmp_path)
+    target = Transformer(resolve(SMOL), weights="fp16", max_seq_len=256)
+    seqs = []
+    for r in reqs:
+        a = answers[r.key]
+        ids = r.prompt + a.tokens
+        kv, hidden = a.features
+        assert kv.shape[0] == len(ids) and kv.dtype == np.float16
+        want = compute(target, ids, gen.features, greedy=False)
+        got_k = torch.from_numpy(kv[:, 0].astype(np.float32)).permute(1, 2, 0, 3)
+        assert torch.allclose(got_k, want.K, atol=2e-2, rtol=1e-2)
+        for layer in gen.features:
+            assert torch.allclose(torch.from_numpy(hidden[layer].astype(np.float32)), want.hidden[layer],
+                                  atol=5e-2, rtol=1e-2)
+        store.write(r.key, ids, kv, hidden)
+        seqs.append(ids)
+    assert store.read("q0", seqs[0] + [1], (L,)) is None  # other tokens: not these features
+    assert store.read("q0", seqs[0], (L - 2,)) is None  # a layer it does not keep
+    cache = FeatureCache(target, "fp|fp16", [s[:-2] for s in seqs], (L - 1, L), greedy=False, root=tmp_path,
+                         stored=store, names=[r.key for r in reqs])
+    f = cache.get(1)
+    assert cache.read_tokens == len(seqs[1]) - 2 and cache.computed_tokens == 0
+    np.testing.assert_array_equal(f.hidden[L].numpy(), answers["q1"].features[1][L][:-2].astype(np.float32))

@@ -539,3 +539,31 @@ def test_learning_curve_points_nest_are_saved_and_resume(tmp_path):
     again = curve.run(config("curve"), [120, 300])["points"]  # nothing left to train
     assert again == json.loads(before)["points"] and [p["step"] for p in again] == [p["step"] for p in points]
     assert (tmp_path / "curve" / "curve.json").read_text() == before
+
+
+def test_features_stored_by_the_data_job_are_what_training_reads(tmp_path, monkeypatch):
+    """`moaspec data --engine moaspec --features` then `moaspec train --target-weights fp16`: the
+    training run reads the answers' features the data job stored (no second pass over them), computes
+    the rest (package text, validation's argmax) in the same mode, and trains."""
+    from moaspec.training import features as F
+
+    monkeypatch.setattr(F, "cache_dir", lambda: tmp_path / "cache")
+    with pytest.raises(UserError, match="--engine moaspec"):
+        D.DataConfig(engine="transformers", features=True)
+    cfg = D.DataConfig(model="smollm2-135m", tokens=2400, text_fraction=0.25, prompts=40, max_new_tokens=24,
+                       engine="moaspec", weights="fp16", features=True, parallel=4, shard_tokens=800,
+                       val_fraction=0.25)
+    D.Builder(cfg, tmp_path / "data").run()
+    folder = tmp_path / "data" / cfg.folder_name()
+    rows = D.load(folder)
+    gen = [r for r in rows if r.mode != "text"]
+    stored = list((tmp_path / "cache" / "features").glob("answers-*-fp16/*.npz"))
+    assert gen and len(stored) == len(gen)
+    tr = Trainer(TrainConfig(data=str(folder), out=str(tmp_path / "run"), steps=2, batch_size=2, max_len=96,
+                             vocab_ids=2048, warmup=1, val_every=1000, save_every=1000, val_sequences=2,
+                             target_weights="fp16", epochs=0))
+    assert tr.features_target.weights == "fp16" and tr.target.weights == "fp32"
+    tr.run(resume=False)
+    cache = tr.caches["train"]
+    answered = sum(len(e.ids) for e in tr.train if e.answer_from_target and cache.done[e.index])
+    assert cache.read_tokens == answered > 0

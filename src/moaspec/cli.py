@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what writes the answers: llama.cpp's batched server (`make llama-cpp`) where built; "
                         "moaspec: this runtime, batched, in the --weights mode the drafter will serve")
     d.add_argument("--weights", default="fp16", choices=WEIGHT_MODES, help="--engine moaspec: the weight mode")
+    d.add_argument("--features", action="store_true",
+                   help="--engine moaspec: also store the target's features of each answer, from the passes that "
+                        "wrote it (training then reads them: `moaspec train --target-weights` the same mode)")
     d.add_argument("--parallel", type=int, default=8, help="answers decoded together")
     d.add_argument("--threads", type=int, default=1)
     d.add_argument("--out", default="data", help="data sets go to OUT/<model>-v<version>-seed<seed>/")
@@ -158,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--kind", default="moa",
                     help="drafter(s) to train, comma-separated among moa, eagle, independent; several train "
                          "side by side on one target pass per sequence (same data, steps and budget)")
+    tr.add_argument("--target-weights", default="fp32", choices=WEIGHT_MODES,
+                    help="the target mode whose features the drafters learn from (fp32: the exact model; the served "
+                         "mode reads the features `moaspec data --features` stored)")
     tr.add_argument("--tli", default="0", help="MoA Target Layer Inference N; e.g. 0,1,3 trains one MoA per N")
     tr.add_argument("--every", default="6-14", metavar="MIN-MAX",
                     help="MoA: a verified slot every MIN..MAX tokens (drawn per sequence), so that it learns to "
@@ -767,7 +773,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     cfg = DataConfig(model=args.model, tokens=args.tokens, text_fraction=args.text_fraction,
                      self_fraction=args.self_chat, prompts=args.prompts,
                      seed=args.seed, max_new_tokens=args.max_new_tokens, engine=args.engine, parallel=args.parallel,
-                     threads=args.threads, weights=args.weights)
+                     threads=args.threads, weights=args.weights, features=args.features)
     budget = None if args.time_budget is None else args.time_budget * 60
     manifest = Builder(cfg, Path(args.out)).run(budget)
     print(json.dumps(manifest, indent=1))
@@ -794,7 +800,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       answers_only=args.answers_only, every_min=every[0], every_max=every[1],
                       query_state=args.query_state,
                       feature_cache=not args.no_feature_cache, batch_size=args.batch_size, max_len=args.max_len,
-                      lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device, init=args.init)
+                      lr=args.lr, seed=args.seed, val_every=args.val_every, device=args.device, init=args.init,
+                      target_weights=args.target_weights)
     result = Trainer(cfg).run()
     print(json.dumps(result))
     return EXIT_INTERRUPT if result["stopped"] else 0  # saved; the same command resumes

@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from moaspec.decoding.engine import Engine, GenerationConfig, Metrics
-from moaspec.decoding.target import LocalTarget, TargetSide
-from moaspec.decoding.tree import AdaptiveChain, TreeConfig, split_min_prob, tree_for_costs
+from moaspec.decoding.target import ContextEncoder, LocalTarget, TargetSide
+from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig, split_min_prob, tree_for_costs
 from moaspec.drafters import build_drafter
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
@@ -349,15 +349,43 @@ class SpecDecoder:
             finish = reason or finish
         return Generation("".join(parts), tokens, ids, finish, self.engine.metrics)
 
+    def record(self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None,
+               recorder: Recorder, chat: bool = True) -> Generation:
+        """`generate` (local target, no drafter) with `recorder` as the target's encoder, then one pass over
+        the text's final token, so that the recorder has seen every position of prompt + answer."""
+        target = self.engine.target
+        if not isinstance(target, LocalTarget) or self.drafter is not None:
+            raise UserError("recording the target's features needs a local target and no drafter")
+        target.encoder = recorder
+        try:
+            gen = self.generate(prompt, cfg, chat=chat)
+            target.verify(Tree.chain(recorder.final_token(gen)))
+            return gen
+        finally:
+            target.encoder = None
+            target.release()
+
+
+class Recorder(ContextEncoder, Protocol):
+    """A target-side encoder that keeps the target's state of each committed position (the data job
+    stores it as training features) rather than encoding it for a drafter."""
+
+    def final_token(self, generation: Generation) -> int:
+        """The token that ends the recorded text (the answer's stop token, or its last token when cut):
+        the one position plain decoding never passes through the target."""
+        ...
+
 
 def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
                   cfg: GenerationConfig | list[GenerationConfig] | None = None, chat: bool = True,
-                  parallel: int = 8) -> Iterator[tuple[int, Generation | Exception]]:
+                  parallel: int = 8, recorders: Callable[[int], Recorder] | None = None,
+                  ) -> Iterator[tuple[int, Generation | Exception]]:
     """Generate for many prompts together: up to `parallel` at once, each on its own fork of `dec` in a
     thread of its own, their target passes batched by one scheduler that runs on this thread (the one that
     loaded the model, see `decoding.scheduler`); each answer is identical to a lone run's. `cfg`: one for
-    all, or one per prompt. Yields (index, generation, or the error of that prompt alone) as each
-    finishes."""
+    all, or one per prompt. `recorders(i)`: a `Recorder` that sees the target's state for every position
+    of prompt i and its answer, from the passes that wrote the answer (a local target with no drafter).
+    Yields (index, generation, or the error of that prompt alone) as each finishes."""
     cfgs = cfg if isinstance(cfg, list) else [cfg] * len(prompts)
     if len(cfgs) != len(prompts):
         raise UserError(f"{len(cfgs)} generation configs for {len(prompts)} prompts")
@@ -368,6 +396,8 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
 
     if not isinstance(parallel, int) or parallel < 1:
         raise UserError(f"parallel must be a positive integer, got {parallel!r}")
+    if recorders is not None and (dec.remote is not None or dec.drafter is not None):
+        raise UserError("recording the target's features needs a local target and no drafter")
     scheduler = Scheduler(dec.target, own_thread=False) if dec.remote is None else None
     idle = [dec.fork(scheduler) for _ in range(min(parallel, len(prompts)))]
     forks = list(idle)
@@ -376,7 +406,9 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
         one_thread()
         fork = idle.pop()
         try:
-            return i, fork.generate(prompts[i], cfgs[i], chat=chat)
+            if recorders is None:
+                return i, fork.generate(prompts[i], cfgs[i], chat=chat)
+            return i, fork.record(prompts[i], cfgs[i], recorders(i), chat=chat)
         except UserError as e:  # this prompt's fault (too long, empty): the others go on
             return i, e
         finally:

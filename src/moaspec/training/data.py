@@ -36,6 +36,7 @@ from moaspec.contamination import Contamination
 from moaspec.errors import UserError
 from moaspec.models.store import chat_ids, resolve, weights_fingerprint
 from moaspec.training import corpus
+from moaspec.training.features import AnswerFeatures
 from moaspec.training.prompts import FOLLOW_UPS, OPENERS, Prompt, build_prompts, eval_texts
 from moaspec.training.stop import StopRequest
 
@@ -63,6 +64,7 @@ class DataConfig:
     val_fraction: float = 0.02
     engine: str = "auto"  # "llama.cpp", "transformers", "moaspec" or "auto" (llama.cpp where built)
     weights: str = "fp16"  # the "moaspec" engine's weight mode (the one the drafter will serve)
+    features: bool = False  # the "moaspec" engine also stores the target's features of its answers
     parallel: int = 8  # requests decoded together
     threads: int = 1
     shard_tokens: int = 100_000
@@ -75,6 +77,9 @@ class DataConfig:
                             f"{self.max_new_tokens} >= 1")
         if self.engine not in ENGINES:
             raise UserError(f"unknown engine {self.engine!r}; choose {', '.join(ENGINES)}")
+        if self.features and self.engine != "moaspec":
+            raise UserError("--features stores the features from the passes that write the answers: "
+                            "it needs --engine moaspec")
 
     def folder_name(self) -> str:
         return f"{self.model}-v{DATA_VERSION}-seed{self.seed}"
@@ -140,13 +145,18 @@ class ShardWriter:
     """Buffers sequences of one source, writes a new shard every `shard_tokens` tokens, and shows the
     tokens the source holds against its goal (and the answer tokens a second written since it began)."""
 
-    def __init__(self, folder: Path, source: str, shard_tokens: int, have: int, goal: int, desc: str):
-        self.folder, self.source, self.shard_tokens = folder, source, shard_tokens
+    def __init__(self, folder: Path, source: str, shard_tokens: int, have: int, goal: int, desc: str,
+                 features: AnswerFeatures | None = None):
+        self.folder, self.source, self.shard_tokens, self.features = folder, source, shard_tokens, features
         self.rows: list[Sequence] = []
         self.have, self.answer_tokens, self.t0 = have, 0, time.time()
         self.bar = tqdm(total=goal, initial=have, desc=desc, unit="tok", unit_scale=True)
 
-    def add(self, row: Sequence) -> None:
+    def add(self, row: Sequence, features: tuple | None = None) -> None:
+        """`features`: the target's (kv, hidden) of the row, stored beside it (before the shard that lists
+        it, so a listed row's features are never missing for a stop between the two)."""
+        if self.features is not None and features is not None:
+            self.features.write(row.id, row.ids, *features)
         self.rows.append(row)
         self.have += len(row.ids)
         self.answer_tokens += len(row.ids) - row.prompt_len
@@ -178,6 +188,7 @@ class _Chat:
     sampled: bool  # answers sampled at the config's temperature, else greedy
     messages: list[dict] = field(default_factory=list)
     sequence: Sequence | None = None  # the conversation so far, ending with the target's last answer
+    features: tuple | None = None  # the target's features of `sequence` (an engine that records them)
 
 
 # ---------------------------------------------------------------- building
@@ -274,7 +285,7 @@ class Builder:
         cfg = self.cfg
         if cfg.engine == "moaspec":
             return RuntimeGenerator(cfg.model, cfg.weights, self.eos, cfg.parallel,
-                                    cfg.max_prompt_tokens + cfg.max_new_tokens + 8)
+                                    cfg.max_prompt_tokens + cfg.max_new_tokens + 8, features=cfg.features)
         server = _llama_server()
         if cfg.engine == "llama.cpp" and server is None:
             raise UserError("llama-server is not built: run `make llama-cpp`, or pass --engine transformers")
@@ -284,6 +295,12 @@ class Builder:
             return LlamaServer(server, gguf_file(cfg.model), self.eos, cfg.parallel, cfg.threads,
                                cfg.max_prompt_tokens + cfg.max_new_tokens + 8)
         return TransformersGenerator(self.folder, self.tok, self.eos, cfg.parallel)
+
+    def answer_features(self) -> AnswerFeatures | None:
+        """Where the features the engine records are stored (`--features`)."""
+        if not self.cfg.features:
+            return None
+        return AnswerFeatures(weights_fingerprint(self.folder), self.cfg.weights)
 
     def requests(self, prompts: Iterable[Prompt]):
         from moaspec.training.generators import Request
@@ -307,7 +324,8 @@ class Builder:
         prompts = {p.id: p for p in build_prompts(self.cfg.prompts, self.cfg.seed, contamination=self.check)}
         todo = list(self.requests(prompts.values()))
         gen = self.engine()
-        writer = ShardWriter(self.out, "gen", self.cfg.shard_tokens, have, goal, f"gen ({gen.name})")
+        writer = ShardWriter(self.out, "gen", self.cfg.shard_tokens, have, goal, f"gen ({gen.name})",
+                             self.answer_features())
         t0 = time.time()
         try:
             step = self.cfg.parallel * 8  # a round of requests; the budget is checked between rounds
@@ -322,7 +340,7 @@ class Builder:
                     if not text.strip() or self.check(text):
                         continue
                     writer.add(Sequence(p.id, p.source, r.prompt + a.tokens, len(r.prompt), a.finished,
-                                        "sampled" if r.temperature > 0 else "greedy"))
+                                        "sampled" if r.temperature > 0 else "greedy"), a.features)
                     writer.show_rate()
                 writer.flush()
         finally:
@@ -350,7 +368,8 @@ class Builder:
         if have >= goal:
             return 0.0
         gen = self.engine()
-        writer = ShardWriter(self.out, "self", self.cfg.shard_tokens, have, goal, f"self-chat ({gen.name})")
+        writer = ShardWriter(self.out, "self", self.cfg.shard_tokens, have, goal, f"self-chat ({gen.name})",
+                             self.answer_features())
         t0, index = time.time(), 0
         try:
             with ThreadPoolExecutor(self.cfg.parallel) as pool:
@@ -366,7 +385,7 @@ class Builder:
                                                rng.random() < self.cfg.sampled_fraction))
                     for c in pool.map(lambda c: self.converse(gen, c), chats):
                         if c.sequence is not None:
-                            writer.add(c.sequence)
+                            writer.add(c.sequence, c.features)
                     writer.show_rate()
                     writer.flush()
         finally:
@@ -400,6 +419,7 @@ class Builder:
             c.messages += [{"role": "user", "content": request}, {"role": "assistant", "content": text}]
             c.sequence = Sequence(c.id, f"self-chat{turn}", prompt + a.tokens, len(prompt), a.finished,
                                   "sampled" if c.sampled else "greedy")
+            c.features = a.features
             if not a.finished:  # a cut answer gets no follow-up
                 break
         return c

@@ -10,6 +10,13 @@ same tokens that keeps more layers (written for other drafters, e.g. MoA N=1 bes
 run that needs fewer: each folder's meta.json says what it holds. Nothing here
 goes into git: the committed token ids rebuild it.
 
+The data job can store the features beside the answers it writes (`moaspec data --engine moaspec
+--features`): `Recorder` keeps the target's state from the very passes that wrote an answer, so
+self-distillation data costs one target pass per token instead of two, and `AnswerFeatures` holds them
+by sequence id for `FeatureCache` to read instead of computing. They come from the weight mode that
+wrote the answers (the target the drafter will serve), so a run reads them only when it trains on that
+mode (`moaspec train --target-weights MODE`).
+
 Per token: every layer's K and V (MoA's Layer Self-Attention reads them all) and the input of the
 chosen layers (the final normed state for the regression loss and the soft labels, the input of
 layer L-N for Target Layer Inference); for validation examples also the full-vocabulary argmax.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +39,7 @@ from moaspec.models.runtime import Transformer
 from moaspec.models.store import cache_dir
 
 FEATURES_VERSION = 1
+RECORDED_TLI = (0, 1, 3)  # the data job keeps the input of layers L - N for these MoA N (0: the final state)
 
 
 @dataclass
@@ -62,6 +71,73 @@ def compute(target: Transformer, ids: list[int], layers: tuple[int, ...], greedy
     return Features(K, V, hidden, argmax)
 
 
+class Recorder:
+    """A target-side encoder (`decoding.target.ContextEncoder`) that keeps, instead of encoding, the state
+    of every committed position: K/V of every layer and the input of `hidden_layers` (fp16, as the
+    feature cache stores them). `pipeline.SpecDecoder.record` feeds it."""
+
+    def __init__(self, hidden_layers: tuple[int, ...], stop_token: int):
+        self.hidden_layers = tuple(sorted(hidden_layers))
+        self.stop_token = stop_token
+        self.kv: list[np.ndarray] = []  # [n, 2, L, Hkv, d] per commit
+        self.hidden: dict[int, list[np.ndarray]] = {layer: [] for layer in self.hidden_layers}
+        self.length = 0
+
+    def encode(self, cache, slots: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        if slots.numel() and int(slots[0]) != self.length:
+            raise RuntimeError(f"recorded positions jump from {self.length} to {int(slots[0])}")
+        K, V = cache.kv(slots)
+        self.kv.append(torch.stack([K, V]).permute(3, 0, 1, 2, 4).to(torch.float16).numpy())
+        for layer in self.hidden_layers:
+            self.hidden[layer].append(hidden[layer].to(torch.float16).numpy())
+        self.length += slots.numel()
+
+    def final_token(self, generation) -> int:
+        """The data job stores an answer that ended on its own with `stop_token` after it."""
+        return self.stop_token if generation.finish_reason == "stop" else generation.token_ids[-1]
+
+    def arrays(self) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """kv [T, 2, L, Hkv, d] and {layer: [T, D]}, fp16."""
+        return np.concatenate(self.kv), {layer: np.concatenate(h) for layer, h in self.hidden.items()}
+
+
+class AnswerFeatures:
+    """Features the data job stored beside its answers: one `<sequence id>.npz` per sequence (its token
+    ids, kv, hidden of each kept layer), under the model cache, keyed by the target's weights and the weight
+    mode that wrote them. Written to a temporary name and renamed, so a stopped job never leaves a file
+    that reads as whole."""
+
+    def __init__(self, fingerprint: str, weights: str, root: Path | None = None):
+        self.folder = (root or cache_dir() / "features") / f"answers-{fingerprint[:16]}-{weights}"
+
+    def exists(self) -> bool:
+        return self.folder.is_dir()
+
+    def write(self, sid: str, ids: list[int], kv: np.ndarray, hidden: dict[int, np.ndarray]) -> None:
+        if kv.shape[0] != len(ids) or any(h.shape[0] != len(ids) for h in hidden.values()):
+            raise ValueError(f"features of {kv.shape[0]} positions for a sequence of {len(ids)} tokens")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{sid}.tmp.npz"
+        np.savez(tmp, ids=np.asarray(ids, dtype=np.uint32), kv=kv, **{f"hidden{k}": h for k, h in hidden.items()})
+        os.replace(tmp, self.folder / f"{sid}.npz")
+
+    def read(self, sid: str, ids: list[int], layers: tuple[int, ...]
+             ) -> tuple[np.ndarray, dict[int, np.ndarray]] | None:
+        """The features of the first len(ids) positions of sequence `sid`, or None when not stored, stored
+        for other tokens, without one of `layers`, or unreadable."""
+        try:
+            with np.load(self.folder / f"{sid}.npz") as z:
+                stored = z["ids"]
+                if len(stored) < len(ids) or not np.array_equal(stored[:len(ids)], np.asarray(ids, dtype=np.uint32)):
+                    return None
+                if any(f"hidden{layer}" not in z.files for layer in layers):
+                    return None
+                n = len(ids)
+                return z["kv"][:n], {layer: z[f"hidden{layer}"][:n] for layer in layers}
+        except (OSError, ValueError, KeyError, EOFError):
+            return None
+
+
 META = "meta.json"
 
 
@@ -88,8 +164,15 @@ class FeatureCache:
     layer the folder keeps, which may be more than asked for when a wider cache is reused)."""
 
     def __init__(self, target: Transformer, fingerprint: str, sequences: list[list[int]], layers: tuple[int, ...],
-                 greedy: bool, root: Path | None = None):
+                 greedy: bool, root: Path | None = None, stored: AnswerFeatures | None = None,
+                 names: list[str] | None = None):
+        """`stored` and `names` (each sequence's id): features the data job wrote, read instead of
+        computed where they cover a sequence (and, for `greedy`, computed anyway: the argmax needs the
+        head)."""
         self.target, self.layers, self.greedy = target, tuple(sorted(layers)), greedy
+        self.stored = stored if stored is not None and names is not None and not greedy else None
+        self.names = names
+        self.read_tokens = 0
         c = target.cfg
         root = root or cache_dir() / "features"
         h = hashlib.sha256(json.dumps([FEATURES_VERSION, fingerprint, self.layers, greedy]).encode())
@@ -127,6 +210,14 @@ class FeatureCache:
 
     def get(self, i: int) -> Features:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        got = None if self.done[i] or self.stored is None else \
+            self.stored.read(self.names[i], self.sequences[i], self.layers)
+        if got is not None:
+            self.kv[a:b], hidden = got
+            for layer in self.layers:
+                self.hidden[layer][a:b] = hidden[layer]
+            self.done[i] = True
+            self.read_tokens += b - a
         if not self.done[i]:
             t0 = time.perf_counter()
             f = compute(self.target, self.sequences[i], self.layers, self.greedy)

@@ -5,7 +5,8 @@ target's pass over the finished text (teacher forcing). llama.cpp's server with 
 over the quantised GGUF the model store checks (`make llama-cpp` builds it) is the default where
 built, else transformers' batched `generate` on the fp32 weights. `RuntimeGenerator` writes them with
 this project's own runtime, batched, in the weight mode the drafter will serve (`--engine moaspec
---weights MODE`): the answers of the target it will draft for.
+--weights MODE`): the answers of the target it will draft for, and with `features` the target's
+features of each whole sequence from the same passes (no second pass at training time).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moaspec.errors import UserError
@@ -40,6 +42,9 @@ class Answer:
     key: str
     tokens: list[int]  # ends with the end-of-turn token when the answer ended on its own
     finished: bool
+    # the target's features of prompt + tokens from the passes that wrote them (RuntimeGenerator with
+    # `features`): kv [T, 2, L, Hkv, d] and {layer: [T, D]}, fp16
+    features: tuple[np.ndarray, dict[int, np.ndarray]] | None = None
 
 
 class LlamaServer:
@@ -148,25 +153,42 @@ class RuntimeGenerator:
 
     name = "moaspec"
 
-    def __init__(self, model: str, weights: str, eos: int, parallel: int, max_len: int):
+    def __init__(self, model: str, weights: str, eos: int, parallel: int, max_len: int,
+                 features: bool = False):
         from moaspec.pipeline import SpecDecoder
+        from moaspec.training.features import RECORDED_TLI
 
-        self.dec = SpecDecoder(model, drafter="none", weights=weights, max_seq_len=max_len)
+        self.dec = SpecDecoder(model, drafter="none", weights=weights, max_seq_len=max_len + 1)
         self.eos, self.parallel = eos, parallel
+        L = self.dec.target.cfg.num_layers
+        self.features = tuple(sorted({L - n for n in RECORDED_TLI if n < L})) if features else None
 
     def generate(self, requests: Sequence[Request], max_new: int) -> Iterator[Answer]:
         from moaspec.decoding.engine import GenerationConfig
         from moaspec.decoding.sampling import SamplingParams
         from moaspec.pipeline import generate_many
+        from moaspec.training.features import Recorder
 
         requests = list(requests)
         cfgs = [GenerationConfig(max_new_tokens=max_new, sampling=SamplingParams(r.temperature, seed=r.seed))
                 for r in requests]
-        for i, gen in generate_many(self.dec, [r.prompt for r in requests], cfgs, chat=False, parallel=self.parallel):
+        recorders: dict[int, Recorder] = {}
+
+        def recorder(i: int) -> Recorder:
+            recorders[i] = Recorder(self.features, self.eos)
+            return recorders[i]
+
+        for i, gen in generate_many(self.dec, [r.prompt for r in requests], cfgs, chat=False, parallel=self.parallel,
+                                    recorders=recorder if self.features else None):
             if isinstance(gen, Exception):
                 raise gen
             finished = gen.finish_reason == "stop"
-            yield Answer(requests[i].key, gen.token_ids + ([self.eos] if finished else []), finished)
+            tokens = gen.token_ids + ([self.eos] if finished else [])
+            features = recorders.pop(i).arrays() if self.features else None
+            if features is not None and features[0].shape[0] != len(requests[i].prompt) + len(tokens):
+                raise RuntimeError(f"recorded {features[0].shape[0]} positions for a sequence of "
+                                   f"{len(requests[i].prompt) + len(tokens)} tokens")
+            yield Answer(requests[i].key, tokens, finished, features)
 
     def close(self) -> None:
         pass

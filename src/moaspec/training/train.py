@@ -37,7 +37,7 @@ from moaspec.errors import UserError
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve, weights_fingerprint
 from moaspec.training import data
-from moaspec.training.features import FeatureCache, compute
+from moaspec.training.features import AnswerFeatures, FeatureCache, compute
 from moaspec.training.stop import StopRequest
 
 KINDS = {"moa": moa, "eagle": eagle, "independent": independent}
@@ -75,6 +75,9 @@ class TrainConfig:
     match_params: bool = True  # EAGLE-2's MLP sized so that it has MoA N=0's trainable parameter count
     device: str = "cpu"  # "cuda" (the target's features computed there, drafters under bf16 autocast)
     init: str = ""  # fine-tuning: every drafter starts from <init>/<label> (a run, a curve point, checkpoints)
+    # the target mode whose features the drafters learn (fp32: the exact model; a served mode reads what
+    # `moaspec data --features` stored, and computes the rest in that mode)
+    target_weights: str = "fp32"
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Example:
     prompt_len: int
     index: int = 0  # position in its split: the feature cache's key
     answer_from_target: bool = False  # the answer is the target's own generation (not package text)
+    sid: str = ""  # the data's sequence id
 
 @dataclass
 class Student:
@@ -125,7 +129,7 @@ def load_examples(folder: str | Path, max_len: int) -> dict[str, list[Example]]:
         ids = r.ids[:max_len]
         if len(ids) >= 3:
             split = out["val" if data.is_val(r.id, fraction) else "train"]
-            split.append(Example(ids, min(max(1, r.prompt_len), len(ids)), len(split), r.mode != "text"))
+            split.append(Example(ids, min(max(1, r.prompt_len), len(ids)), len(split), r.mode != "text", r.id))
     return out
 
 
@@ -253,13 +257,20 @@ class Trainer:
                 raise UserError(f"the drafters in {cfg.init} were trained on different data (their trimmed "
                                 "vocabularies differ): fine-tune them in separate runs (--kind/--tli)")
         self.layers = tuple(sorted({L} | {L - s.tli for s in self.students}))
+        # the target whose features the drafters learn: the exact one, or the mode they will serve
+        self.features_target = self.target if cfg.target_weights == "fp32" else \
+            Transformer(folder, weights=cfg.target_weights, device=device, max_seq_len=cfg.max_len + 8)
+        key = fingerprint if cfg.target_weights == "fp32" else f"{fingerprint}|{cfg.target_weights}"
+        stored = AnswerFeatures(fingerprint, cfg.target_weights)
+        stored = stored if stored.exists() else None
         self.caches = {}
         if cfg.feature_cache:
             for rank in range(self.world):  # one process creates the cache files, then the others open them
                 if rank == self.rank:
                     for split, exs in (("train", everything), ("val", self.val)):
-                        self.caches[split] = FeatureCache(self.target, fingerprint, [e.ids for e in exs],
-                                                          self.layers, greedy=split == "val")
+                        self.caches[split] = FeatureCache(self.features_target, key, [e.ids for e in exs],
+                                                          self.layers, greedy=split == "val", stored=stored,
+                                                          names=[e.sid for e in exs])
                 _barrier(self.world)
         self.step = 0
         self.history: list[dict] = []
@@ -276,7 +287,7 @@ class Trainer:
         the feature cache; validation adds the target's full-vocabulary argmax per row."""
         greedy = split == "val"
         cache = self.caches.get(split)
-        f = cache.get(ex.index) if cache is not None else compute(self.target, ex.ids, self.layers, greedy)
+        f = cache.get(ex.index) if cache is not None else compute(self.features_target, ex.ids, self.layers, greedy)
         f = f.to(self.target.device)
         final = f.hidden[self.target.cfg.num_layers]
         head = self.drafter.head  # every drafter shares the trimmed vocabulary of the same data
