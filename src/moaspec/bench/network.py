@@ -15,6 +15,12 @@ answer in one streamed request (the usual API), and `api-per-token`, one statele
 per token carrying the whole text so far. `--tree-sweep moa,lookup`
 adds those methods with fixed chains, to show what the adaptive chain gains on each link.
 
+`--devices N` measures many devices against one server: for each client-server method, 1 then N devices
+at once, each on its own link of the profile (its own shaping proxy), each generating every prompt one
+after another; reported: aggregate tokens/s of the server, each device's ms/token, and the ratio of N
+devices to one. The devices are threads of this process (each with one torch thread), so on a machine
+of few cores their drafting competes with the server for the CPU, unlike real devices.
+
 `--quality` measures the drafter alone after a cut: from token k of the target's own answer, each
 drafter writes 128 tokens without the target; reported: the tokens it gets right before the first
 divergence, its positional agreement with the target over 32/64/128 tokens, and the target's
@@ -224,6 +230,89 @@ def run_network(model: str, profiles: list[str], methods: list[str], prompts: li
     return rows
 
 
+@dataclass
+class DevicesRow:
+    profile: str
+    method: str
+    devices: int
+    tokens: int
+    wall_s: float
+    ms_per_token: list[float]  # per device
+    tau: float
+
+    @property
+    def aggregate_tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def run_devices(model: str, profile: str, methods: list[str], prompts: list[list[dict]], max_new_tokens: int,
+                weights: str, devices: int, out: Path) -> list[DevicesRow]:
+    """1 then `devices` devices per method against one `serve-target`, each device on its own link."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "MOASPEC_TOKEN": TOKEN}
+    torch.set_num_threads(1)
+    rows: list[DevicesRow] = []
+    port = _free_port()
+    server = _launch(["serve-target", "--model", model, "--weights", weights, "--max-sessions", str(4 * devices),
+                      "--max-connections", str(4 * devices), "--idle-timeout", "7200"], port, env)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, offline=False)
+    try:
+        for method in methods:
+            for n in sorted({1, devices}):
+                proxies = [ShapingProxy(("127.0.0.1", port), profile=profile).start() for _ in range(n)]
+                clients = [_client(model, method, f"ws://127.0.0.1:{px.port}", "adaptive:16", weights)
+                           for px in proxies]
+                clients[0].generate(prompts[0], GenerationConfig(max_new_tokens=4, offline=False))  # warm
+
+                def device(dec) -> tuple[int, float, float]:
+                    torch.set_num_threads(1)
+                    tokens, seconds, tau = 0, 0.0, 0.0
+                    for messages in prompts:
+                        t = time.perf_counter()
+                        gen = dec.generate(messages, cfg)
+                        seconds += time.perf_counter() - t
+                        tokens += len(gen.token_ids)
+                        tau += gen.metrics.tau * len(gen.token_ids)
+                    return tokens, seconds, tau
+
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(n) as pool:
+                    results = list(pool.map(device, clients))
+                wall = time.perf_counter() - t0
+                for dec, px in zip(clients, proxies, strict=True):
+                    dec.remote.shutdown()
+                    px.close()
+                tokens = sum(r[0] for r in results)
+                row = DevicesRow(profile, method, n, tokens, wall, [1e3 * s / max(1, k) for k, s, _ in results],
+                                 sum(r[2] for r in results) / max(1, tokens))
+                rows.append(row)
+                print(f"{profile} {method:13s} {n:2d} devices: {row.aggregate_tok_s:6.1f} tok/s aggregate, "
+                      f"{sum(row.ms_per_token) / n:7.1f} ms/token per device (max {max(row.ms_per_token):.1f}), "
+                      f"tau {row.tau:.2f}", flush=True)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "devices.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return rows
+
+
+def devices_table(rows: list[DevicesRow]) -> str:
+    lines = ["| profile | method | devices | aggregate tok/s | x one device | ms/token per device (mean / max) | tau |",
+             "|---|---|---|---|---|---|---|"]
+    one = {r.method: r.aggregate_tok_s for r in rows if r.devices == 1}
+    for r in rows:
+        mean = sum(r.ms_per_token) / len(r.ms_per_token)
+        lines.append(f"| {r.profile} | {r.method} | {r.devices} | {r.aggregate_tok_s:.1f} | "
+                     f"{r.aggregate_tok_s / one[r.method]:.2f}x | {mean:.1f} / {max(r.ms_per_token):.1f} | "
+                     f"{r.tau:.2f} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- drafter alone after a cut
 @torch.no_grad()
 def offline_quality(model: str, drafters: list[str], prompts: list[list[dict]], cut: int, weights: str,
@@ -303,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quality", action="store_true", help="also the drafter-alone quality after a cut")
     p.add_argument("--cut", type=int, default=32)
     p.add_argument("--no-network", action="store_true", help="skip the network runs (e.g. --quality alone)")
+    p.add_argument("--devices", type=int, default=0, metavar="N",
+                   help="instead: 1 then N devices at once against one server, on the first profile, for the "
+                        "client-server methods given in --methods")
     p.add_argument("--out", default="bench-out/network")
     a = p.parse_args(argv)
     profiles = [x for x in a.profiles.split(",") if x]
@@ -315,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     report = []
-    if not a.no_network:
+    if a.devices:
+        if a.devices < 1 or set(methods) & set(API):
+            raise UserError("--devices takes N >= 1 and client-server methods (not the API baselines)")
+        report.append(devices_table(run_devices(a.model, profiles[0], methods, prompts, a.max_new_tokens,
+                                                a.weights, a.devices, out)))
+    elif not a.no_network:
         sweep = [x for x in a.tree_sweep.split(",") if x]
         if set(sweep) - set(CS_METHODS):
             raise UserError(f"--tree-sweep takes client-server methods among {', '.join(CS_METHODS)}")
