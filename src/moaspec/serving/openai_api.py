@@ -57,6 +57,7 @@ from moaspec.decoding.scheduler import Scheduler
 from moaspec.decoding.tree import MAX_TREE_TOKENS
 from moaspec.errors import ContextLengthError, UserError
 from moaspec.models.runtime import PREFILL_CHUNK
+from moaspec.serving import api_schema as S
 from moaspec.serving.admission import Admission
 from moaspec.serving.metrics import Rate, ServerCollector, exposition, registry
 from moaspec.serving.protocol import Busy
@@ -469,16 +470,15 @@ class OpenAIServer:
                 self.stats.cancelled += 1
                 log.info("client went away: generation stopped")
 
-    def _usage(self, prompt_tokens: int, completion_tokens: int, m: Metrics | None) -> dict[str, Any]:
-        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                 "total_tokens": prompt_tokens + completion_tokens}
+    def _usage(self, prompt_tokens: int, completion_tokens: int, m: Metrics | None) -> S.Usage:
+        usage = S.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                        total_tokens=prompt_tokens + completion_tokens)
         if m is not None:
             drafter = self.drafter or (self.dec.drafter.name if self.dec.drafter is not None else "none")
-            usage["speculative"] = {"drafter": drafter, "weights": self.dec.target.weights, "tau": round(m.tau, 4),
-                                    "target_calls": m.target_calls, "tokens_per_s": round(m.tokens_per_s, 3),
-                                    "prefill_s": round(m.prefill_s, 4), "total_s": round(m.total_s, 4)}
-            if m.unverified_in_output:
-                usage["unverified_tokens"] = m.unverified_in_output
+            usage.speculative = S.Speculative(
+                drafter=drafter, weights=self.dec.target.weights, tau=round(m.tau, 4), target_calls=m.target_calls,
+                tokens_per_s=round(m.tokens_per_s, 3), prefill_s=round(m.prefill_s, 4), total_s=round(m.total_s, 4))
+            usage.unverified_tokens = m.unverified_in_output or None
         return usage
 
     async def _complete(self, request: Request, kind: type[_Request]):
@@ -512,16 +512,15 @@ class OpenAIServer:
             self.stats.errors += 1
             return _generation_error(e).response()
         text = "".join(parts)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if metrics is not None and metrics.unverified_in_output:
-            choice["unverified"] = True
+        unverified = True if metrics is not None and metrics.unverified_in_output else None
+        usage = self._usage(len(ids), completion, metrics)
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            body: BaseModel = S.ChatCompletion(id=rid, created=created, model=self.model_name, usage=usage, choices=[
+                S.ChatChoice(message=S.AssistantMessage(content=text), finish_reason=finish, unverified=unverified)])
         else:
-            choice["text"] = text
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": self.model_name, "choices": [choice],
-                             "usage": self._usage(len(ids), completion, metrics)})
+            body = S.Completion(id=rid, created=created, model=self.model_name, usage=usage, choices=[
+                S.CompletionChoice(text=text, finish_reason=finish, unverified=unverified)])
+        return JSONResponse(S.dump(body))
 
     async def _events(self, request: Request, req: _Request, ids: list[int], cfg: GenerationConfig, rid: str,
                       created: int) -> AsyncIterator[str]:
@@ -562,20 +561,24 @@ class OpenAIServer:
         if finished and req.include_usage:
             yield event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": created, "model": self.model_name, "choices": [],
-                         "usage": self._usage(len(ids), completion, metrics)})
+                         "usage": self._usage(len(ids), completion, metrics).model_dump(exclude_none=True)})
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------ routes
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "moaspec"}
+    def _model_card(self) -> S.ModelCard:
+        return S.ModelCard(id=self.model_name, created=self.created)
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="moaspec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+        from moaspec import __version__
+
+        app = FastAPI(title="moaspec OpenAI-compatible API", version=__version__, docs_url=None, redoc_url=None)
         app.state.api = self
+        S.install_openapi(app, {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest},
+                          self.model_name, self.limits.max_tokens)
 
         app.add_middleware(SameSiteOnly, api=self)
 
-        @app.get("/metrics")
+        @app.get("/metrics", include_in_schema=False)
         async def metrics(request: Request) -> Response:
             self._authorise(request)
             if self.registry is None:
@@ -592,28 +595,30 @@ class OpenAIServer:
             code = "not_found" if e.status_code == 404 else None
             return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code).response()
 
-        @app.get("/health")
+        @app.get("/health", include_in_schema=False)
         async def health() -> dict[str, Any]:
             return {"status": "ok", "model": self.model_name, "requests": self.stats.requests}
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", responses=S.responses(S.ModelList))
         async def models(request: Request) -> JSONResponse:
             self._authorise(request)
-            return JSONResponse({"object": "list", "data": [self._model_card()]})
+            return JSONResponse(S.dump(S.ModelList(data=[self._model_card()])))
 
-        @app.get("/v1/models/{model:path}")
+        @app.get("/v1/models/{model:path}", responses=S.responses(S.ModelCard))
         async def model(request: Request, model: str) -> JSONResponse:
             self._authorise(request)
             if model != self.model_name:
                 raise ApiError(404, f"The model '{model}' does not exist.", param="model", code="model_not_found")
-            return JSONResponse(self._model_card())
+            return JSONResponse(S.dump(self._model_card()))
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", responses=S.responses(S.ChatCompletion, stream=True))
         async def chat_completions(request: Request):
+            """A chat answer (messages rendered with the model's chat template)."""
             return await self._complete(request, ChatRequest)
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", responses=S.responses(S.Completion, stream=True))
         async def completions(request: Request):
+            """A completion of a raw prompt (text, or token ids)."""
             return await self._complete(request, CompletionRequest)
 
         return app
