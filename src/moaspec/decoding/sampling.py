@@ -11,6 +11,9 @@ import torch
 from moaspec.errors import UserError
 
 RACE_HEAD = 64  # tokens of p raced one by one; the rest of p races as one (`TokenNoise.pick`)
+# below this a temperature is greedy (as vLLM does): logits / 1e-300 overflow to inf, and the distribution at
+# such a temperature is the argmax to every digit a float holds
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,7 @@ class SamplingParams:
     """temperature 0 means greedy. top_k 0 and top_p 1 disable those filters (applied in HF order:
     temperature, then top-k, then top-p)."""
 
-    temperature: float = 0.0
+    temperature: float = 0.0  # below MIN_TEMPERATURE: 0 (greedy)
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
@@ -26,6 +29,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
             raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -112,6 +117,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_x, idx = x.sort(dim=-1, descending=True)
         cum = sorted_x.softmax(-1).cumsum(-1)
         drop = cum - sorted_x.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False  # and always the top token (a top_p under fp32's least value drops none else)
         x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return x.softmax(-1)
 

@@ -118,7 +118,9 @@ def responses(ok: type[BaseModel] | None, stream: bool = False) -> dict[int | st
     if ok is not None:
         out[200] = {"model": ok, "description": "the answer"}
         if stream:
-            out[200]["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+            event = {"type": "object", "required": ["data"], "properties": {"data": {
+                "type": "string", "description": "a chunk of the answer as JSON, and last `[DONE]`"}}}
+            out[200]["content"] = {"text/event-stream": {"schema": event}}
             out[200]["description"] = "the answer; with stream: true, server-sent events of chunks"
     return out
 
