@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
     sv.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for, and "
                     "the default for one that gives none")
+    _add_replica_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("serve-target", help="serve the target model to remote drafters (client-server mode)",
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "sessions the last one served")
     st.add_argument("--idle-timeout", type=float, default=lim.idle_timeout_s, help="seconds before an idle "
                     "session is closed")
+    _add_replica_args(st)
     st.set_defaults(func=cmd_serve_target)
 
     d = sub.add_parser("data", help="training data: the target's answers to diverse prompts, and package text",
@@ -449,6 +451,14 @@ def _load_decoder(args: argparse.Namespace, tree: TreeConfig):
                        ca_file=args.ca_file)
 
 
+def _add_replica_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=0, metavar="N",
+                   help="N >= 1: serve N replicas on Ray Serve behind one address (serving.cluster); 0: one process")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray gives each replica (its torch threads)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. auto, after `ray start --head`); "
+                   "default: start a local Ray for this command")
+
+
 def _add_tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-certfile", metavar="PATH", help="serve over TLS (wss:// / https://) with this certificate "
                    "chain, so that bearer tokens never cross a network in clear")
@@ -467,16 +477,24 @@ def _tls(args: argparse.Namespace) -> dict[str, str]:
     return {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
 
 
-def cmd_serve_target(args: argparse.Namespace) -> int:
+def _target_limits(args: argparse.Namespace) -> Limits:
+    return Limits(max_prompt_tokens=args.max_prompt_tokens, max_seq_len=args.max_context,
+                  max_tree_tokens=args.max_tree_tokens, max_sessions=args.max_sessions,
+                  max_connections=args.max_connections, kv_memory_mb=args.kv_memory_mb, max_waiting=args.max_waiting,
+                  max_batch_rows=args.max_batch_rows, gather_ms=args.gather_ms, idle_timeout_s=args.idle_timeout)
+
+
+def _api_limits(args: argparse.Namespace) -> ApiLimits:
+    return ApiLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, parallel=args.parallel,
+                     max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, gather_ms=args.gather_ms)
+
+
+def _target_server(args: argparse.Namespace, scheduler_thread: bool):
+    """The `serve-target` server the arguments describe (in this process, or on a Ray Serve replica)."""
     from moaspec.serving.remote import read_tokens
 
     tokens = read_tokens(args.token_file)
-    limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_seq_len=args.max_context,
-                    max_tree_tokens=args.max_tree_tokens, max_sessions=args.max_sessions,
-                    max_connections=args.max_connections, kv_memory_mb=args.kv_memory_mb,
-                    max_waiting=args.max_waiting, max_batch_rows=args.max_batch_rows, gather_ms=args.gather_ms,
-                    idle_timeout_s=args.idle_timeout)
-    tls = _tls(args)
+    limits = _target_limits(args)
     folders = None
     if args.drafter_path:
         folders = {}
@@ -485,46 +503,101 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
             if not sep or not label or not folder:
                 raise UserError(f"--drafter-path takes LABEL=DIR (e.g. moa=runs/qwen/moa), got {item!r}")
             folders[label] = Path(folder)
-    if not 0 < args.port < 65536:
-        raise UserError(f"--port must be in 1..65535, got {args.port}")
     _check_model_name(args.model, "--model")
     from moaspec.models.store import weights_fingerprint
     from moaspec.pipeline import SpecDecoder
-    from moaspec.serving.target_server import TargetServer, load_encoders, serve
+    from moaspec.serving.target_server import TargetServer, load_encoders
 
     dec = SpecDecoder(args.model, drafter="none", weights=args.weights, max_seq_len=args.max_context)
     fp = weights_fingerprint(dec.folder)
     encoders = load_encoders(dec.target, args.model, fp, folders)
-    server = TargetServer(dec.target, args.model, fp, tokens, encoders, limits, dec.pass_costs(),
-                          scheduler_thread=False)
-    batched = "batched passes" if dec.target.batch_invariant() else \
+    return TargetServer(dec.target, args.model, fp, tokens, encoders, limits, dec.pass_costs(),
+                        scheduler_thread=scheduler_thread)
+
+
+def _target_app(args: argparse.Namespace):
+    """A replica's ASGI app (`serving.cluster`)."""
+    return _target_server(args, scheduler_thread=True).app
+
+
+def _api_app(args: argparse.Namespace):
+    """A replica's ASGI app (`serving.cluster`)."""
+    return _api(args, scheduler_thread=True)[0]
+
+
+def _scale_out(args: argparse.Namespace, builder, name: str) -> int:
+    import functools
+
+    from moaspec.serving import cluster
+
+    if args.ssl_certfile:
+        raise UserError("--replicas serves through Ray Serve's proxy, which this command runs without TLS: put a "
+                        "TLS-terminating proxy in front of it, or serve one process with --ssl-certfile")
+    print(f"serving {args.replicas} replica(s) of {name} on Ray Serve at {args.host}:{args.port}; Ctrl-C stops",
+          file=sys.stderr)
+    cluster.run(functools.partial(builder, args), name, args.replicas, args.host, args.port,
+                replica_cpus=args.replica_cpus, ray_address=args.ray_address)
+    return 0
+
+
+def cmd_serve_target(args: argparse.Namespace) -> int:
+    from moaspec.serving.remote import read_tokens
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    tls = _tls(args)
+    if args.replicas:  # what can be checked here is, before any replica starts
+        _check_model_name(args.model, "--model")
+        _target_limits(args)
+        read_tokens(args.token_file)
+        return _scale_out(args, _target_app, "target")
+    from moaspec.serving.target_server import serve
+
+    server = _target_server(args, scheduler_thread=False)
+    batched = "batched passes" if server.model.batch_invariant() else \
         "passes one session at a time (fp32 is not batch-invariant: use --weights fp16/int8/int4 to batch)"
     print(f"serving {args.model} ({args.weights}, {batched}) on {'wss' if tls else 'ws'}://{args.host}:{args.port} "
-          f"with {len(encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
+          f"with {len(server.encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
     serve(server, args.host, args.port, **tls)
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The API's own key, apart from the --target server's token (API clients must not learn that one)."""
     from moaspec.serving.remote import read_token
 
+    if args.api_token_file:
+        return read_token(args.api_token_file)
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def _api(args: argparse.Namespace, scheduler_thread: bool):
+    """The `serve` API the arguments describe, its key and decoder (in this process, or on a replica)."""
     tree = _tree_config(args)
     _check_models(args)
+    key = _api_key(args)
+    from moaspec.serving.openai_api import create_app
+
+    limits = _api_limits(args)
+    dec = _load_decoder(args, tree)
+    app = create_app(dec, args.model, token=key, limits=limits, drafter=_drafter_name(args),
+                     scheduler_thread=scheduler_thread)
+    return app, key, dec
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from moaspec.serving.openai_api import check_host, serve
+
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
-    # the API's own key, apart from the --target server's token (API clients must not learn that one)
-    if args.api_token_file:
-        key = read_token(args.api_token_file)
-    else:
-        key = os.environ.get(API_KEY_ENV, "").strip() or None
-    from moaspec.serving.openai_api import check_host, create_app, serve
-
-    check_host(args.host, key)
     tls = _tls(args)
-    limits = ApiLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, parallel=args.parallel,
-                       max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, gather_ms=args.gather_ms)
-    dec = _load_decoder(args, tree)
-    app = create_app(dec, args.model, token=key, limits=limits, drafter=_drafter_name(args), scheduler_thread=False)
+    check_host(args.host, _api_key(args))
+    if args.replicas:  # what can be checked here is, before any replica starts
+        _tree_config(args)
+        _check_models(args)
+        _api_limits(args)
+        return _scale_out(args, _api_app, "api")
+    app, key, dec = _api(args, scheduler_thread=False)
     together = f"up to {args.parallel} requests together"
     if dec.remote is None and not dec.target.batch_invariant():
         together += " (fp32 is not batch-invariant: their passes run one after another; --weights fp16/int8/int4 " \

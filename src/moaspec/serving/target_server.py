@@ -22,6 +22,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
+import socket
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -206,7 +208,8 @@ class TargetServer:
                 "max_seq_len": self.limits.max_seq_len, "eos": list(self.model.cfg.eos_token_ids),
                 "vocab_size": self.model.cfg.vocab_size,
                 "pass_costs": {str(k): v for k, v in self.pass_costs.items()},
-                "encoders": sorted(self.encoders), "limits": asdict(self.limits)}
+                "encoders": sorted(self.encoders), "limits": asdict(self.limits),
+                "instance": f"{socket.gethostname()}:{os.getpid()}"}  # which process (a replica, behind a proxy)
 
     def authorised(self, header: str | None) -> str | None:
         """The token of a valid `Authorization: Bearer <token>` header, else None."""

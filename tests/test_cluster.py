@@ -1,0 +1,92 @@
+"""Scale-out on Ray Serve with real processes: two replicas of the target server behind one address; the
+replica serving a device's session is killed mid-generation, the device reconnects through the same
+address to the other replica, re-verifies there, and its text is the target's own greedy text."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from moaspec.decoding.engine import GenerationConfig
+
+SMOL = "smollm2-135m"
+TOKEN = "cluster-token"
+
+pytest.importorskip("ray.serve", reason="scale-out needs ray[serve] (make setup installs it)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("cluster") / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    port = _free_port()
+    env = {**os.environ, "MOASPEC_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
+    cmd = [sys.executable, "-m", "moaspec", "serve-target", "--model", SMOL, "--weights", "int8", "--replicas", "2",
+           "--port", str(port), "--token-file", str(tokens), "--max-context", "512", "--max-prompt-tokens", "256"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    up = 0
+    while time.time() < deadline and up < 4:  # a few answers in a row: both replicas are likely up
+        if proc.poll() is not None:
+            pytest.fail(f"serve-target --replicas exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                up += r.status == 200
+        except OSError:
+            up = 0
+        time.sleep(1)
+    assert up >= 4, "the replicas did not come up within 4 minutes"
+    yield f"ws://127.0.0.1:{port}"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_a_killed_replica_hands_its_devices_to_the_other(replicas):
+    from moaspec.pipeline import SpecDecoder
+
+    prompt = "Write a Python function that returns the squares of a list of numbers."
+    cfg = GenerationConfig(max_new_tokens=64)
+    want = SpecDecoder(SMOL, weights="int8", warmup=False).generate(prompt, cfg).token_ids
+
+    device = SpecDecoder(SMOL, drafter="lookup", target_url=replicas, token=TOKEN, warmup=False,
+                         target_timeout_s=10)
+    instances, deadline = set(), time.time() + 90
+    while len(instances) < 2 and time.time() < deadline:  # new sessions spread over the replicas (once both are up)
+        probe = SpecDecoder(SMOL, drafter="none", target_url=replicas, token=TOKEN, warmup=False)
+        instances.add(probe.remote.info["instance"])
+        probe.remote.shutdown()
+    assert len(instances) == 2, f"sessions did not spread over two replicas: {instances}"
+
+    first = device.remote.info["instance"]
+    killed = threading.Event()
+
+    def kill_mid_generation() -> None:
+        while device.remote.calls < 6:
+            time.sleep(0.005)
+        os.kill(int(first.rsplit(":", 1)[1]), signal.SIGKILL)  # the replica serving this device
+        killed.set()
+
+    threading.Thread(target=kill_mid_generation, daemon=True).start()
+    got = device.generate(prompt, cfg)
+    assert killed.is_set() and got.finish_reason in ("stop", "length")
+    assert got.token_ids == want
+    assert device.remote.info["instance"] != first  # it re-verified on the other replica
+    assert device.engine.metrics.unverified_in_output == 0
+    device.remote.shutdown()
