@@ -4,6 +4,7 @@ address to the other replica, re-verifies there, and its text is the target's ow
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -90,3 +91,19 @@ def test_a_killed_replica_hands_its_devices_to_the_other(replicas):
     assert device.remote.info["instance"] != first  # it re-verified on the other replica
     assert device.engine.metrics.unverified_in_output == 0
     device.remote.shutdown()
+
+
+def test_soak_short(tmp_path):
+    """The load test in short (`python -m moaspec.bench.soak` runs it for minutes): 4 API users and 4
+    devices against two replicas each, through a shaped link; every answer is its lone answer."""
+    from moaspec.bench import soak
+
+    out = tmp_path / "soak.json"
+    rc = soak.main(["--clients", "4", "--minutes", "0.15", "--prompts", "3", "--max-tokens", "12", "--replicas", "2",
+                    "--idle-timeout", "3", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, report
+    assert [p["part"] for p in report["phases"]] == ["api", "devices"]
+    api, devices = report["phases"]
+    assert api["requests"] > 4 and api["failures"] == 0 and api["p99_ms"] >= api["p50_ms"] > 0
+    assert devices["generations"] >= 4 and devices["failures"] == 0

@@ -16,6 +16,7 @@ Ray is started for this command.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -52,8 +53,10 @@ def run(builder: Callable[[], Any], name: str, replicas: int, host: str, port: i
     except ImportError:
         raise UserError("scale-out needs Ray Serve: pip install 'ray[serve]==2.60.0' (make setup installs it)") \
             from None
-    ray.init(address=ray_address, include_dashboard=False, logging_level="warning",
-             ignore_reinit_error=True, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(replica_cpus)))}})
+    env = {k: v for k, v in os.environ.items() if k.startswith("MOASPEC_")}  # tokens, cache folder, threads
+    env["OMP_NUM_THREADS"] = str(max(1, int(replica_cpus)))
+    ray.init(address=ray_address, include_dashboard=False, logging_level="warning", ignore_reinit_error=True,
+             runtime_env={"env_vars": env})
     serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
     deployment = serve.deployment(
         serve.ingress(_ingress(builder, max(1, int(replica_cpus))))(), name=name, num_replicas=replicas,
