@@ -501,6 +501,13 @@ def test_a_client_refuses_a_server_with_other_weights(served):
     _, run = served
     with pytest.raises(UserError, match="not the 0000"):  # checked on every (re)connection
         RemoteTarget(run.url, TOKEN, fingerprint="0" * 16)
+    remote = RemoteTarget(run.url, TOKEN)  # a server that came back with the same weights in another mode
+    assert remote.info["weights"] == "fp32"
+    with pytest.raises(UserError, match="now runs its target in int8 weights, not fp32"):
+        remote._ready({**remote.info, "weights": "int8"})
+    with pytest.raises(UserError, match="not the"):  # or other weights altogether, with no fingerprint given
+        remote._ready({**remote.info, "fingerprint": "f" * 16})
+    remote.shutdown()
 
 
 def test_text_the_target_never_verified_is_counted_and_marked(served):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -956,6 +957,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPT
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        # a full disk (or a file size limit) mid-write: every file is written aside first, nothing is half-written
+        _error(UserError(f"could not write {e.filename or 'a file'}: {e.strerror}; free some space and run the same "
+                         "command again: it resumes from what was written whole"))
+        return 1
     except BrokenPipeError:  # e.g. `moaspec generate ... | head -1`
         with contextlib.suppress(Exception):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

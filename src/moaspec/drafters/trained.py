@@ -28,6 +28,7 @@ from torch import nn
 from moaspec.decoding.tree import Tree
 from moaspec.drafters.layers import DraftLinear, apply_rows, drafting_rows
 from moaspec.errors import UserError
+from moaspec.files import atomic_write, atomic_write_text
 from moaspec.models import quant
 from moaspec.models.linear import Linear
 from moaspec.models.parts import TargetParts
@@ -278,8 +279,8 @@ def save_checkpoint(drafter: TargetBoundDrafter, folder: str | Path, kind: str, 
         tensors[k] = (t.half() if fp16 and t.is_floating_point() else t).contiguous()
     config = {"kind": kind, "format_version": FORMAT_VERSION, "dtype": "fp16" if fp16 else "fp32",
               **asdict(drafter.cfg)}
-    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"kind": kind})
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write(folder / WEIGHTS_FILE, lambda tmp: save_file(tensors, str(tmp), metadata={"kind": kind}))
+    atomic_write_text(folder / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return folder
 
 

@@ -14,7 +14,7 @@ Client -> server:
 - {"type": "end"}: the generation is over, free its memory (no answer)
 - {"type": "ping"}
 Server -> client:
-- {"type": "ready", "model", "fingerprint", "max_seq_len", "eos", "pass_costs", "encoders", "limits",
+- {"type": "ready", "model", "fingerprint", "weights", "max_seq_len", "eos", "pass_costs", "encoders", "limits",
   "instance"} on connect (instance: host:pid of the process serving the session, a replica behind a proxy)
 - {"type": "queued", "position"}: a start waits for memory (sent every few seconds until it runs)
 - {"type": "step", "path", "accepted", "bonus", "length", "target_ms"} + context bytes

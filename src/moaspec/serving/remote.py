@@ -152,9 +152,15 @@ class RemoteTarget:
         return ws, header
 
     def _ready(self, header: dict[str, Any]) -> None:
-        if self.expected_fingerprint is not None and header.get("fingerprint") != self.expected_fingerprint:
+        expected = self.expected_fingerprint or self.info.get("fingerprint")  # a reconnection: the same target
+        if expected is not None and header.get("fingerprint") != expected:
             raise UserError(f"the server at {self.url} now serves {header.get('model')!r} with weights "
-                            f"{header.get('fingerprint')}, not the {self.expected_fingerprint} this client drafts for")
+                            f"{header.get('fingerprint')}, not the {expected} this client drafts for")
+        if self.info and header.get("weights") != self.info.get("weights"):
+            raise UserError(f"the server at {self.url} now runs its target in {header.get('weights')} weights, not "
+                            f"{self.info.get('weights')} as when this client connected: its tokens would differ from "
+                            "those verified so far; start the generation again, or the server in "
+                            f"{self.info.get('weights')}")
         self.info = header
         self.check_encoder()
         self.eos_token_ids = tuple(header["eos"])

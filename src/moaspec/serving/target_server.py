@@ -204,7 +204,7 @@ class TargetServer:
         self.scheduler.close()
 
     def ready(self) -> dict[str, Any]:
-        return {"type": "ready", "model": self.name, "fingerprint": self.fingerprint,
+        return {"type": "ready", "model": self.name, "fingerprint": self.fingerprint, "weights": self.model.weights,
                 "max_seq_len": self.limits.max_seq_len, "eos": list(self.model.cfg.eos_token_ids),
                 "vocab_size": self.model.cfg.vocab_size,
                 "pass_costs": {str(k): v for k, v in self.pass_costs.items()},

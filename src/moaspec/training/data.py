@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from moaspec.contamination import Contamination
 from moaspec.errors import UserError
+from moaspec.files import atomic_write, atomic_write_text
 from moaspec.models.store import chat_ids, resolve, weights_fingerprint
 from moaspec.training import corpus
 from moaspec.training.features import AnswerFeatures
@@ -102,13 +103,17 @@ def is_val(sid: str, fraction: float) -> bool:
 # ---------------------------------------------------------------- shards
 def write_shard(path: Path, rows: list[Sequence]) -> None:
     lengths = np.array([len(r.ids) for r in rows], dtype=np.int64)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez_compressed(
-        tmp, tokens=np.fromiter((t for r in rows for t in r.ids), dtype=np.uint32, count=int(lengths.sum())),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]), prompt_len=np.array([r.prompt_len for r in rows], np.int32),
-        ids=np.array([r.id for r in rows]), kinds=np.array([r.kind for r in rows]),
-        modes=np.array([r.mode for r in rows]), finished=np.array([r.finished for r in rows]))
-    tmp.replace(path)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(
+                f, tokens=np.fromiter((t for r in rows for t in r.ids), dtype=np.uint32, count=int(lengths.sum())),
+                offsets=np.concatenate([[0], np.cumsum(lengths)]),
+                prompt_len=np.array([r.prompt_len for r in rows], np.int32), ids=np.array([r.id for r in rows]),
+                kinds=np.array([r.kind for r in rows]), modes=np.array([r.mode for r in rows]),
+                finished=np.array([r.finished for r in rows]))
+
+    atomic_write(path, write)
 
 
 def read_shard(path: Path) -> Iterator[Sequence]:
@@ -123,7 +128,7 @@ def read_shard(path: Path) -> Iterator[Sequence]:
 
 
 def shards(folder: Path, source: str | None = None) -> list[Path]:
-    return sorted(p for p in Path(folder).glob(f"{source or '*'}-*.npz") if not p.name.endswith(".tmp.npz"))
+    return sorted(p for p in Path(folder).glob(f"{source or '*'}-*.npz") if not p.name.endswith(".tmp.npz"))  # old tmp
 
 
 def load(folder: str | Path, split: str | None = None, val_fraction: float | None = None) -> list[Sequence]:
@@ -207,7 +212,7 @@ class Builder:
             if any(old.get(k) != getattr(cfg, k) for k in fixed):
                 raise UserError(f"{self.out} was built with {', '.join(f'{k}={old.get(k)}' for k in fixed)}: "
                                 "resume it with those settings or pick another --out")
-        saved.write_text(json.dumps(asdict(cfg), indent=1))
+        atomic_write_text(saved, json.dumps(asdict(cfg), indent=1))
         self.folder = resolve(cfg.model)
         self.tok = load_tokenizer(self.folder)
         eos = self.tok.convert_tokens_to_ids("<|im_end|>")
@@ -515,5 +520,5 @@ def finalise(out: Path) -> dict:
         "answer_tokens_per_s": round(sum(v for src in ("gen", "self") for k, v in per.get(src, {}).items()
                                          if k.endswith("answer_tokens")) / gen_s, 1) if gen_s else None,
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=1))
     return manifest

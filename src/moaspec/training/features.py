@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 from numpy.lib.format import open_memmap
 
+from moaspec.files import atomic_write
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import cache_dir
 
@@ -117,9 +117,12 @@ class AnswerFeatures:
         if kv.shape[0] != len(ids) or any(h.shape[0] != len(ids) for h in hidden.values()):
             raise ValueError(f"features of {kv.shape[0]} positions for a sequence of {len(ids)} tokens")
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{sid}.tmp.npz"
-        np.savez(tmp, ids=np.asarray(ids, dtype=np.uint32), kv=kv, **{f"hidden{k}": h for k, h in hidden.items()})
-        os.replace(tmp, self.folder / f"{sid}.npz")
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                np.savez(f, ids=np.asarray(ids, dtype=np.uint32), kv=kv, **{f"hidden{k}": h for k, h in hidden.items()})
+
+        atomic_write(self.folder / f"{sid}.npz", write)
 
     def read(self, sid: str, ids: list[int], layers: tuple[int, ...]
              ) -> tuple[np.ndarray, dict[int, np.ndarray]] | None:

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from moaspec.drafters import eagle, independent, moa
 from moaspec.errors import UserError
+from moaspec.files import atomic_write, atomic_write_text
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import resolve, weights_fingerprint
 from moaspec.training import data
@@ -504,7 +505,7 @@ class Trainer:
                         "trained_with": [s.label for s in self.students], "shared_target_seconds": result[
                             "target_seconds"], "seconds": result["seconds"], "own_seconds": round(st.seconds, 1),
                         "final_val": final.get(st.label), **fine_tuned_from(cfg.init, st.label)}
-                (self.out / st.label / "training.json").write_text(json.dumps(info, indent=1))
+                atomic_write_text(self.out / st.label / "training.json", json.dumps(info, indent=1))
         return result
 
     @contextlib.contextmanager
@@ -573,10 +574,12 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         for st in self.students:
             KINDS[st.kind].save(st.drafter, self.out / st.label)
-        torch.save({"step": self.step, "opt": {st.label: st.opt.state_dict() for st in self.students},
-                    "seconds": {st.label: st.seconds for st in self.students}, "rng": self.rng.getstate(),
-                    "torch_rng": torch.get_rng_state(), "history": self.history, "config": asdict(self.cfg)},
-                   self.out / "trainer.pt")
+        # the one file a resume reads: the drafters' weights with their optimisers and step, written whole
+        state = {"step": self.step, "opt": {st.label: st.opt.state_dict() for st in self.students},
+                 "drafters": {st.label: st.drafter.state_dict() for st in self.students},
+                 "seconds": {st.label: st.seconds for st in self.students}, "rng": self.rng.getstate(),
+                 "torch_rng": torch.get_rng_state(), "history": self.history, "config": asdict(self.cfg)}
+        atomic_write(self.out / "trainer.pt", lambda tmp: torch.save(state, tmp))
 
     def _optimizer(self, drafter: torch.nn.Module) -> torch.optim.Optimizer:
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -618,7 +621,11 @@ class Trainer:
         if missing:
             raise UserError(f"{self.out} holds a run without {', '.join(missing)}: resume it with the same "
                             f"--kind/--tli, or pick a new --out")
-        self.load_drafters(self.out)
+        if "drafters" in state:  # weights saved with their step (runs before: the label folders)
+            for st in self.students:
+                st.drafter.load_state_dict(state["drafters"][st.label])
+        else:
+            self.load_drafters(self.out)
         for st in self.students:
             st.opt.load_state_dict(state["opt"][st.label])
             st.seconds = state["seconds"][st.label]
