@@ -130,9 +130,26 @@ FIELDS = ("prompt", "sampling", "encoder", "wire", "max_new_tokens", "resume", "
 headers = st.fixed_dictionaries(
     {"type": st.sampled_from(["start", "verify", "end", "ping", "fly", ""])},
     optional={f: json_values | st.lists(st.integers(-5, 70000), max_size=40) for f in FIELDS})
+# near-valid messages, so that the fuzz also reaches prefill, verification and their checks
+sampling = st.fixed_dictionaries({}, optional={"temperature": st.floats(-1, 3) | json_values,
+                                               "top_p": st.floats(-0.5, 1.5) | json_values,
+                                               "top_k": st.integers(-3, 100), "seed": st.integers(-5, 2**65)})
+starts = st.fixed_dictionaries(
+    {"type": st.just("start"), "prompt": st.lists(st.integers(0, 49151), min_size=1, max_size=48)},
+    optional={"sampling": sampling, "max_new_tokens": st.integers(-3, 600) | json_values,
+              "resume": st.booleans() | json_values, "wire": st.sampled_from(["fp16", "fp32", "int8", "int4"])})
+verifies = st.integers(1, 20).flatmap(lambda n: st.fixed_dictionaries(
+    {"type": st.just("verify"), "tokens": st.lists(st.integers(-1, 49152), min_size=n, max_size=n),
+     "parents": st.lists(st.integers(-2, n), min_size=n, max_size=n)},
+    optional={"dists": st.dictionaries(st.text("0123456789", min_size=1, max_size=2),
+                                       st.tuples(st.lists(st.integers(0, 49151), max_size=4),
+                                                 st.lists(st.floats(-1, 2), max_size=4)), max_size=3)}))
 frames = st.one_of(
     st.binary(max_size=64),
     headers.map(pack),
+    starts.map(pack),
+    verifies.map(pack),
+    verifies.map(pack),
     st.tuples(headers, st.binary(max_size=64)).map(lambda hb: pack(hb[0], hb[1])),
     st.tuples(st.integers(0, 2**32 - 1), st.binary(max_size=32)).map(lambda t: t[0].to_bytes(4, "little") + t[1]),
 )

@@ -202,6 +202,9 @@ def test_request_errors_are_openai_shaped_400s(served, client):
     _error(_post(served, "/chat/completions", {**base, "max_tokens": "5"}), 400, param="max_tokens")
     _error(_post(served, "/chat/completions", {**base, "max_tokens": LIMITS.max_tokens + 1}), 400,
            param="max_tokens")
+    # found by schemathesis: an out-of-range max_tokens beside a valid max_completion_tokens was ignored
+    both = {**base, "max_completion_tokens": 1, "max_tokens": LIMITS.max_tokens + 1}
+    _error(_post(served, "/chat/completions", both), 400, param="max_tokens")
     _error(_post(served, "/chat/completions", {**base, "temperature": 3}), 400, param="temperature")
     _error(_post(served, "/chat/completions", {**base, "stop": ["ok", ""]}), 400, param="stop")
     _error(_post(served, "/chat/completions", {**base, "logprobs": True}), 400, param="logprobs")

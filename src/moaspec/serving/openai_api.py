@@ -359,11 +359,13 @@ class OpenAIServer:
         if len(ids) > bound:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {bound}.",
                            param=param, code="context_length_exceeded")
+        for name in ("max_tokens", "max_completion_tokens"):  # both bounded, also the one that does not apply
+            value = getattr(req, name)
+            if value is not None and value > self.limits.max_tokens:
+                raise ApiError(400, f"{name} is {value}; this server allows at most {self.limits.max_tokens}.",
+                               param=name, code="invalid_value")
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if asked is not None and asked > self.limits.max_tokens:
-            raise ApiError(400, f"{which} is {asked}; this server allows at most {self.limits.max_tokens}.",
-                           param=which, code="invalid_value")
         if asked is not None and len(ids) + asked > context:
             raise ApiError(400, f"the prompt ({len(ids)} tokens) + {which} ({asked}) exceeds the context of "
                            f"{context} tokens; lower {which} to {context - len(ids)} or shorten the prompt.",
