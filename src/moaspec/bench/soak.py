@@ -34,6 +34,7 @@ import psutil
 from moaspec.bench.network import _free_port
 from moaspec.bench.tasks import TASKS, load_tasks
 from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.target import TargetUnavailable
 from moaspec.errors import UserError
 from moaspec.serving.shaping import ShapingProxy
 
@@ -124,13 +125,26 @@ def device_phase(url: str, model: str, drafter: str, prompts: list[list[dict]], 
     cfg = GenerationConfig(max_new_tokens=max_new)
     stop_at = time.time() + seconds
     results: list[tuple[bool, float, str | None]] = []  # (text right, ms per token, error)
+    retries: list[str] = []  # session openings that timed out and were tried again
     lock = threading.Lock()
 
     def device(k: int) -> None:
         import torch
 
         torch.set_num_threads(1)
-        dec = SpecDecoder(model, drafter=drafter, target_url=url, token=TOKEN, warmup=False, target_timeout_s=120)
+        dec = None
+        while dec is None:  # many devices opening sessions at once: a handshake may time out; a device retries
+            try:
+                dec = SpecDecoder(model, drafter=drafter, target_url=url, token=TOKEN, warmup=False,
+                                  target_timeout_s=120)
+            except TargetUnavailable as e:
+                with lock:
+                    retries.append(str(e)[:120])
+                if time.time() > stop_at:
+                    with lock:
+                        results.append((False, float("nan"), f"never connected: {e}"[:200]))
+                    return
+                time.sleep(1.0)
         i = k
         try:
             while time.time() < stop_at:
@@ -153,7 +167,13 @@ def device_phase(url: str, model: str, drafter: str, prompts: list[list[dict]], 
     ms = [r[1] for r in results if r[0]]
     errors = [r[2] for r in results if r[2]]
     return {"generations": len(results), "failures": sum(not r[0] for r in results), "errors": errors[:10],
+            "connect_retries": len(retries),
             "ms_per_token_p50": _pct(ms, 50), "ms_per_token_p99": _pct(ms, 99)}
+
+
+def _write(out: str, report: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["peak_rss_mb"] = round(api.peak / 2**20)
                     report["phases"].append(row)
                     print(json.dumps(row), flush=True)
+                    _write(a.out, report)
         if "devices" in parts:
             from moaspec.pipeline import SpecDecoder
 
@@ -227,12 +248,12 @@ def main(argv: list[str] | None = None) -> int:
                     row["rss_after_idle_mb"] = round(target.sample() / 2**20)
                     report["phases"].append(row)
                     print(json.dumps(row), flush=True)
+                    _write(a.out, report)
     finally:
         sampling.set()
         for s in servers:
             s.close()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    _write(a.out, report)
     failed = sum(p["failures"] for p in report["phases"])
     print(f"{failed} failed of {sum(p.get('requests', p.get('generations', 0)) for p in report['phases'])}")
     return 1 if failed else 0
