@@ -8,14 +8,12 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
+from moaspec.bench.soak import Server
 from moaspec.decoding.engine import GenerationConfig
 
 SMOL = "smollm2-135m"
@@ -36,27 +34,10 @@ def replicas(tmp_path_factory):
     tokens.write_text(TOKEN + "\n")
     port = _free_port()
     env = {**os.environ, "MOASPEC_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
-    cmd = [sys.executable, "-m", "moaspec", "serve-target", "--model", SMOL, "--weights", "int8", "--replicas", "2",
-           "--port", str(port), "--token-file", str(tokens), "--max-context", "512", "--max-prompt-tokens", "256"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 240
-    up = 0
-    while time.time() < deadline and up < 4:  # a few answers in a row: both replicas are likely up
-        if proc.poll() is not None:
-            pytest.fail(f"serve-target --replicas exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                up += r.status == 200
-        except OSError:
-            up = 0
-        time.sleep(1)
-    assert up >= 4, "the replicas did not come up within 4 minutes"
+    server = Server(["serve-target", "--model", SMOL, "--weights", "int8", "--replicas", "2", "--token-file",
+                     str(tokens), "--max-context", "512", "--max-prompt-tokens", "256"], port, env)
     yield f"ws://127.0.0.1:{port}"
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    server.close()
 
 
 def test_a_killed_replica_hands_its_devices_to_the_other(replicas):

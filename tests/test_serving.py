@@ -503,8 +503,11 @@ def test_a_client_refuses_a_server_with_other_weights(served):
         RemoteTarget(run.url, TOKEN, fingerprint="0" * 16)
     remote = RemoteTarget(run.url, TOKEN)  # a server that came back with the same weights in another mode
     assert remote.info["weights"] == "fp32"
-    with pytest.raises(UserError, match="now runs its target in int8 weights, not fp32"):
+    remote.start([1, 2, 3], SamplingParams())
+    with pytest.raises(UserError, match="now runs its target in int8 weights, not fp32"):  # mid-generation
         remote._ready({**remote.info, "weights": "int8"})
+    remote.release()
+    remote._ready({**remote.info, "weights": "int8"})  # between generations it is another server, and fine
     with pytest.raises(UserError, match="not the"):  # or other weights altogether, with no fingerprint given
         remote._ready({**remote.info, "fingerprint": "f" * 16})
     remote.shutdown()

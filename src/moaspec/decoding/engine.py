@@ -45,7 +45,8 @@ class GenerationConfig:
             raise UserError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
         if self.resync not in RESYNC_POLICIES:
             raise UserError(f"resync must be one of {', '.join(RESYNC_POLICIES)}, got {self.resync!r}")
-        if not self.reconnect_timeout_s >= 0:
+        if not (isinstance(self.reconnect_timeout_s, (int, float)) and not isinstance(self.reconnect_timeout_s, bool)
+                and self.reconnect_timeout_s >= 0):
             raise UserError(f"reconnect_timeout_s must be >= 0, got {self.reconnect_timeout_s}")
 
 

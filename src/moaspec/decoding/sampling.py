@@ -16,6 +16,10 @@ RACE_HEAD = 64  # tokens of p raced one by one; the rest of p races as one (`Tok
 MIN_TEMPERATURE = 1e-5
 
 
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy. top_k 0 and top_p 1 disable those filters (applied in HF order:
@@ -27,13 +31,15 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+        if not (_number(self.temperature) and math.isfinite(self.temperature)) or self.temperature < 0:
             raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
-        if not 0.0 < self.top_p <= 1.0:
+        if not (_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
+            raise UserError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise UserError(f"top_k must be an integer >= 0, got {self.top_k}")
 
     @property

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import types
+import typing
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -298,13 +301,37 @@ def read_checkpoint_config(folder: str | Path, kind: str, cfg_cls: type[TargetBo
     if not isinstance(raw, dict) or raw.get("kind") != kind:
         got = raw.get("kind") if isinstance(raw, dict) else None
         raise UserError(f"{path} is not an {label} drafter checkpoint (kind {got!r}, expected {kind!r})")
-    if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
-        raise UserError(f"{path} has format version {raw['format_version']}; this moaspec reads {FORMAT_VERSION}")
-    names = {f.name for f in fields(cfg_cls)}
+    version = raw.get("format_version", FORMAT_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+        raise UserError(f"{path} has format version {version!r}; this moaspec reads {FORMAT_VERSION}")
+    hints = typing.get_type_hints(cfg_cls)
+    values = {f.name: raw[f.name] for f in fields(cfg_cls) if f.name in raw}
+    for name, value in values.items():
+        if not _fits(value, hints[name]):
+            raise UserError(f"{path}: {name} is {value!r}, not a {hints[name]}; retrain or copy the checkpoint again")
     try:
-        return cfg_cls(**{k: v for k, v in raw.items() if k in names})
+        return cfg_cls(**values)
     except TypeError as e:
         raise UserError(f"{path} is incomplete: {e}") from None
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a config field's type (ints as sizes: not negative, not bools)."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for t in options:
+        if t is type(None) and value is None:
+            return True
+        if t is bool and isinstance(value, bool):
+            return True
+        if t is int and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return True
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return True
+        if t is str and isinstance(value, str):
+            return True
+        if t not in (type(None), bool, int, float, str):  # a type this check does not know: the config decides
+            return True
+    return False
 
 
 def read_checkpoint(folder: str | Path, kind: str, cfg_cls: type[TargetBoundConfig], target_cfg: ModelConfig,
@@ -338,7 +365,11 @@ def load_checkpoint(folder: str | Path, kind: str, cls: type[TargetBoundDrafter]
     """Load a drafter saved by `save_checkpoint` and attach it to `target` (`read_checkpoint`'s checks)."""
     cfg, tensors = read_checkpoint(folder, kind, cls.config_cls, target.cfg, target_name, fingerprint, target.device)
     path = Path(folder) / WEIGHTS_FILE
-    drafter = cls.from_target(target, cfg)
+    try:
+        drafter = cls.from_target(target, cfg)
+    except (ValueError, RuntimeError, ZeroDivisionError, TypeError) as e:  # sizes no drafter can have
+        raise UserError(f"{Path(folder) / CONFIG_FILE} does not describe a drafter this moaspec can build: {e}") \
+            from None
     try:
         drafter.load_state_dict(tensors, strict=True)
     except RuntimeError as e:

@@ -97,7 +97,8 @@ class ApiLimits:
         if self.max_batch_rows < max(MAX_TREE_TOKENS + 1, PREFILL_CHUNK):
             raise UserError(f"max_batch_rows must hold a whole draft tree ({MAX_TREE_TOKENS + 1}) and a prompt "
                             f"chunk ({PREFILL_CHUNK}), got {self.max_batch_rows}")
-        if not self.gather_ms >= 0:
+        if not (isinstance(self.gather_ms, (int, float)) and not isinstance(self.gather_ms, bool)
+                and self.gather_ms >= 0):
             raise UserError(f"gather_ms must be >= 0, got {self.gather_ms}")
 
 

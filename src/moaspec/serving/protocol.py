@@ -75,6 +75,10 @@ def unpack(frame: bytes | str) -> tuple[dict[str, Any], bytes]:
     return header, bytes(frame[HEADER.size + n:])
 
 
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class Limits:
     """What clients may ask of a target server. Generations in progress are bounded by memory: each
@@ -96,7 +100,8 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_seq_len", "max_tree_tokens", "max_sessions", "max_connections",
                      "kv_memory_mb", "max_waiting", "max_batch_rows", "max_message_bytes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"server limit {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_prompt_tokens >= self.max_seq_len:
             raise UserError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_seq_len "
@@ -104,9 +109,9 @@ class Limits:
         if self.max_batch_rows < max(self.max_tree_tokens, PREFILL_CHUNK):
             raise UserError(f"max_batch_rows ({self.max_batch_rows}) must hold a whole tree "
                             f"({self.max_tree_tokens}) and a prompt chunk ({PREFILL_CHUNK})")
-        if not self.idle_timeout_s > 0:
+        if not (_real(self.idle_timeout_s) and self.idle_timeout_s > 0):
             raise UserError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
-        if not self.gather_ms >= 0:
+        if not (_real(self.gather_ms) and self.gather_ms >= 0):
             raise UserError(f"gather_ms must be >= 0, got {self.gather_ms}")
 
 

@@ -96,6 +96,7 @@ class RemoteTarget:
         self.bytes_in = 0
         self.reconnects = 0
         self.queued = 0  # "queued" notes received (starts that waited for the server's memory)
+        self.generating = False  # a generation is in progress: a new session must run the same weight mode
         self._retry: threading.Thread | None = None
         self._fresh: tuple[ClientConnection, dict[str, Any]] | None = None
         self._failed: Exception | None = None  # why reconnecting stopped for good
@@ -156,9 +157,9 @@ class RemoteTarget:
         if expected is not None and header.get("fingerprint") != expected:
             raise UserError(f"the server at {self.url} now serves {header.get('model')!r} with weights "
                             f"{header.get('fingerprint')}, not the {expected} this client drafts for")
-        if self.info and header.get("weights") != self.info.get("weights"):
+        if self.generating and header.get("weights") != self.info.get("weights"):
             raise UserError(f"the server at {self.url} now runs its target in {header.get('weights')} weights, not "
-                            f"{self.info.get('weights')} as when this client connected: its tokens would differ from "
+                            f"{self.info.get('weights')} as when this generation began: its tokens would differ from "
                             "those verified so far; start the generation again, or the server in "
                             f"{self.info.get('weights')}")
         self.info = header
@@ -308,6 +309,8 @@ class RemoteTarget:
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
               resume: bool = False) -> Step:
+        if not resume:  # a new generation may find the server in another weight mode than the last one did
+            self.generating = False
         if not self.available():
             self.connect()
         header = {"type": "start", "prompt": list(prompt), "sampling": sampling_to_wire(params),
@@ -318,16 +321,19 @@ class RemoteTarget:
             header["resume"] = True
         frame = pack(header)
         try:
-            return self._when_not_busy(lambda: self._step(frame))
+            step = self._when_not_busy(lambda: self._step(frame))
         except TargetUnavailable:  # e.g. the server closed the session while it sat idle: one new one
             self.connect()
-            return self._when_not_busy(lambda: self._step(frame))
+            step = self._when_not_busy(lambda: self._step(frame))
+        self.generating = True
+        return step
 
     def verify(self, tree: Tree) -> Step:
         return self._step(pack(tree_to_wire(tree)))
 
     def release(self) -> None:
         """Tell the server the generation ended, so it frees the session's memory now (no answer comes)."""
+        self.generating = False
         if self.ws is not None:
             try:
                 self._send(pack({"type": "end"}))
