@@ -530,5 +530,5 @@ def test_text_the_target_never_verified_is_counted_and_marked(served):
         m = client.engine.metrics
         assert 0 < m.unverified_in_output <= m.unverified_tokens and len(tokens) <= 40
         usage = OpenAIServer._usage(SimpleNamespace(drafter="moa", dec=client), len(ids), len(tokens), m)
-        assert usage["unverified_tokens"] == m.unverified_in_output
+        assert usage.unverified_tokens == m.unverified_in_output  # the API writes it into `usage`
         client.remote.shutdown()
