@@ -29,23 +29,34 @@ from moaspec.models import quant
 k = quant.kernels()
 torch.manual_seed(0)
 worst = 0.0
-for rows in (1, 2, 3, 4, 5, 8, 17, 40):
-    w, x, b = torch.randn(72, 448), torch.randn(rows, 448), torch.randn(72)
+
+
+def blocks(x):  # the activations as the kernels see them: int8 per block of 32 values, one scale each
+    xb = x.reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(x.shape)
+
+
+# every tile size (1..8 rows), tiles after the first, a second block of 64 rows; 448 = 14 blocks of 32
+for rows in (1, 2, 3, 4, 5, 6, 7, 8, 17, 40, 130):
+    w, x, b = torch.randn(80, 448), torch.randn(rows, 448), torch.randn(80)
     x[0, 5] = 60.0  # an outlier coarsens only its own block of 32
     q, s = quant.quantize_int8(w)
-    ref = x @ quant.dequantize_int8(q, s).T + b
-    worst = max(worst, ((k.linear_q8(x, q, s, b) - ref).abs().max() / ref.abs().max()).item())
+    ref = blocks(x) @ quant.dequantize_int8(q, s).T + b
+    worst = max(worst, ((k.linear_q8(x, quant.interleave_int8(q), s, b) - ref).abs().max() / ref.abs().max()).item())
     for g in quant.INT4_GROUPS:
         if 448 % g == 0:
             p, sc, off = quant.quantize_int4(w, g)
-            ref = x @ quant.dequantize_int4(p, sc, off).T
-            worst = max(worst, ((k.linear_q4(x, p, sc, off, g) - ref).abs().max() / ref.abs().max()).item())
+            ref = blocks(x) @ quant.dequantize_int4(p, sc, off).T
+            y = k.linear_q4(x, *quant.interleave_int4(p, sc, off), g)
+            worst = max(worst, ((y - ref).abs().max() / ref.abs().max()).item())
     # fp16 weights, fp32 sums: only the summation order differs from the reference
     w16 = torch.randn(73, 456).half()  # 456 = 14 blocks of 32 + 8; 73 channels leave a tile's tail
     xs = torch.randn(rows, 456)
     b16 = torch.randn(73)
     ref = xs @ w16.float().T + b16
-    worst = max(worst, ((k.linear_f16(xs, w16, b16) - ref).abs().max() / ref.abs().max()).item() * 100)
+    worst = max(worst, ((k.linear_f16(xs, w16, b16) - ref).abs().max() / ref.abs().max()).item())
 # attention against SDPA: every head size the kernel has a path for, with and without a mask
 for d in (64, 128, 80):
     for n in (1, 3, 8):
@@ -58,7 +69,7 @@ for d in (64, 128, 80):
             ref = torch.nn.functional.scaled_dot_product_attention(
                 q[None], kk[None, :, :T], vv[None, :, :T], attn_mask=causal if m is None else m, scale=d ** -0.5,
                 enable_gqa=True)[0]
-            worst = max(worst, (k.attention(q, kk, vv, T, m, d ** -0.5) - ref).abs().max().item() * 100)
+            worst = max(worst, (k.attention(q, kk, vv, T, m, d ** -0.5) - ref).abs().max().item())
 print(worst)
 """
 
@@ -66,13 +77,14 @@ print(worst)
 @pytest.mark.parametrize("arch", ["native", "avx2"])
 def test_kernels_match_their_dequantised_weights(arch):
     """Each kernel (this CPU's best, and the plain-AVX2 build that CPUs without VNNI run) equals x @ W.T
-    of its own dequantised weights up to the activations' 8-bit blocks (relative error < 2%)."""
+    of its own dequantised weights and of the activations' 8-bit blocks up to float rounding (relative
+    error < 1e-4, where quantising the activations alone costs ~2%)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if arch == "avx2":
         env["MOASPEC_QGEMM_ARCH"] = "avx2"
     out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert float(out.stdout.split()[-1]) < 0.02
+    assert float(out.stdout.split()[-1]) < 1e-4
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it():
@@ -82,11 +94,12 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     (0 .. 21 + i) whatever the row count."""
     k = quant.kernels()
     torch.manual_seed(2)
-    w, x, b = torch.randn(40, 256), torch.randn(19, 256), torch.randn(40)
+    w, x, b = torch.randn(48, 256), torch.randn(19, 256), torch.randn(48)
     q, s = quant.quantize_int8(w)
-    p, sc, off = quant.quantize_int4(w, 32)
+    q = quant.interleave_int8(q)
+    p4 = quant.interleave_int4(*quant.quantize_int4(w, 32))
     w16 = w.half()
-    for name, f in (("int8", lambda x: k.linear_q8(x, q, s, b)), ("int4", lambda x: k.linear_q4(x, p, sc, off, 32)),
+    for name, f in (("int8", lambda x: k.linear_q8(x, q, s, b)), ("int4", lambda x: k.linear_q4(x, *p4, 32)),
                     ("fp16", lambda x: k.linear_f16(x, w16, b)),
                     ("fp16, 3 channels", lambda x: k.linear_f16(x, w16[:3]))):
         single = torch.cat([f(x[i:i + 1].contiguous()) for i in range(len(x))])
@@ -160,15 +173,18 @@ def test_quantisers_round_trip():
 def test_bad_shapes_are_refused_or_widened():
     with pytest.raises(quant.UserError, match="group"):
         quant.quantize_int4(torch.randn(8, 96), 64)
-    lin = Linear(torch.randn(8, 96), None, "int4")  # 96 inputs: no pairs of 32-blocks -> int8 kernel
-    assert lin.mode == "int8"
-    assert Linear(torch.randn(8, 40), None, "int8").mode == "fp16"  # not a multiple of 32
+    c = quant.channels()
+    assert Linear(torch.randn(c, 96), None, "int4-g64").mode == "int4"  # 64 does not divide 96; 32 does
+    assert Linear(torch.randn(c, 40), None, "int8").mode == "fp16"  # not a multiple of 32
+    assert Linear(torch.randn(c + 4, 64), None, "int8").mode == "fp16"  # not whole groups of channels
     k = quant.kernels()
-    q, s = quant.quantize_int8(torch.randn(8, 64))
+    q, s = quant.quantize_int8(torch.randn(c, 64))
     with pytest.raises(RuntimeError, match="columns"):
-        k.linear_q8(torch.randn(2, 32), q, s)
+        k.linear_q8(torch.randn(2, 32), quant.interleave_int8(q), s)
     with pytest.raises(RuntimeError, match="float32"):
-        k.linear_q8(torch.randn(2, 64).double(), q, s)
+        k.linear_q8(torch.randn(2, 64).double(), quant.interleave_int8(q), s)
+    with pytest.raises(RuntimeError, match="interleave_int8"):
+        k.linear_q8(torch.randn(2, 64), q, s)
 
 
 def test_fallback_to_fp16_when_the_kernels_cannot_be_built(monkeypatch, caplog):

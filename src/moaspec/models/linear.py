@@ -50,14 +50,15 @@ class Linear:
         # checks it before a batched pass stacks several sequences' rows into one fbgemm call)
         self.fbgemm_rows_independent = False
         if mode in QUANTISED:
-            mode = self.mode = runnable_mode(mode, weight.device, self.in_features)
+            mode = self.mode = runnable_mode(mode, weight.device, self.in_features, self.out_features)
         if mode in QUANTISED:
             self.kernels = quant.kernels()
             if mode == "int8":
-                self.q, self.scale = quant.quantize_int8(weight)
+                q, self.scale = quant.quantize_int8(weight)
+                self.q = quant.interleave_int8(q)
             else:
                 self.group = int4_group(mode)
-                self.q, self.scale, self.offset = quant.quantize_int4(weight, self.group)
+                self.q, self.scale, self.offset = quant.interleave_int4(*quant.quantize_int4(weight, self.group))
         elif not self.cpu:
             # Accelerators: one F.linear in the weight dtype; cuBLAS handles every row count well.
             dtype = torch.float32 if mode == "fp32" else torch.bfloat16
@@ -182,18 +183,18 @@ def tensor_mode(mode: str, name: str, weight: torch.Tensor | None = None) -> str
     return "int4" if weight is not None and quant.on_int4_grid(weight) else "int8"
 
 
-def runnable_mode(mode: str, device: torch.device, in_features: int | None = None) -> str:
-    """The weight mode this device (and a layer of `in_features` inputs) can run: the quantised modes
-    need the compiled CPU kernels and fall back to fp16 weights (with one warning) where those cannot
-    be built or on an accelerator; a layer whose width the kernel's blocks or the group do not divide
-    (int4: 64 inputs and the group, int8: 32) runs in the next finer mode that fits."""
+def runnable_mode(mode: str, device: torch.device, in_features: int | None = None,
+                  out_features: int | None = None) -> str:
+    """The weight mode this device (and a layer of `in_features` inputs, `out_features` outputs) can run:
+    the quantised modes need the compiled CPU kernels and fall back to fp16 weights (with one warning)
+    where those cannot be built or on an accelerator; a layer whose inputs the kernel's blocks or the group
+    do not divide runs in the next finer mode that fits (int4-gN -> int4 -> fp16), and one whose outputs
+    are not whole groups of the kernels' 8 channels in fp16."""
     if mode not in QUANTISED:
         return mode
     if in_features is not None:
         if mode != "int8" and in_features % int4_group(mode):
             mode = "int4"  # groups of 32 divide every width the next check lets through
-        if mode != "int8" and in_features % (2 * quant.BLOCK):
-            mode = "int8"
         if in_features % quant.BLOCK:
             return "fp16"
     if device.type != "cpu":
@@ -203,6 +204,8 @@ def runnable_mode(mode: str, device: torch.device, in_features: int | None = Non
         quant.kernels()
     except quant.UserError as e:
         _warn_once(f"--weights {mode} is unavailable here, using fp16: {e}")
+        return "fp16"
+    if out_features is not None and out_features % quant.channels():
         return "fp16"
     return mode
 

@@ -27,8 +27,8 @@ constexpr int QK = 32;  // values per activation block
 #endif
 
 struct QuantRows {
-  std::vector<int8_t> q;     // [R, K]; for int4 in pairs of blocks: (b 0..15, b+1 0..15, b 16..31, b+1 16..31)
-  std::vector<float> d;      // [R, K / 32] block scales; for int4 [R, K / 64, 8]: (d_b x4, d_b+1 x4)
+  std::vector<int8_t> q;     // [R, K]
+  std::vector<float> d;      // [R, K / 32] block scales
   std::vector<float> gsum;   // [R, K / G] sum over the group's blocks of d * sum(q)
 };
 
@@ -76,14 +76,16 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-QuantRows quantize_rows(const float* x, int64_t R, int64_t K, int64_t G, bool pairs) {
+QuantRows quantize_rows(const float* x, int64_t R, int64_t K, int64_t G) {
   const int64_t nb = K / QK, ng = K / G, per_group = G / QK;
   QuantRows out;
   out.q.resize(R * K);
-  out.d.resize(pairs ? R * nb * 4 : R * nb);
+  out.d.resize(R * nb);
   out.gsum.assign(R * ng, 0.f);
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
-  for (int64_t r = 0; r < R; ++r) {
+  // rows are independent: many rows (a prefill) are split among the threads
+  at::parallel_for(0, R, R >= 16 ? 8 : R, [&](int64_t r_begin, int64_t r_end) {
+  for (int64_t r = r_begin; r < r_end; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * QK;
       __m256 v[4];
@@ -109,18 +111,11 @@ QuantRows quantize_rows(const float* x, int64_t R, int64_t K, int64_t G, bool pa
       s4 = _mm_hadd_epi32(s4, s4);
       const float c = d * static_cast<float>(_mm_cvtsi128_si32(s4));  // the block's sum, dequantised
       out.gsum[r * ng + b / per_group] += c;
-      if (pairs) {
-        const int64_t base = (b & ~int64_t(1)) * QK, half = (b & 1) * 16;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + base + half), _mm256_castsi256_si128(p8));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + base + 32 + half), _mm256_extracti128_si256(p8, 1));
-        float* dp = &out.d[(r * nb + (b & ~int64_t(1))) * 4 + (b & 1) * 4];
-        for (int i = 0; i < 4; ++i) dp[i] = d;
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * QK), p8);
-        out.d[r * nb + b] = d;
-      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * QK), p8);
+      out.d[r * nb + b] = d;
     }
   }
+  });
   return out;
 }
 
@@ -130,143 +125,182 @@ void check_input(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
 }
 
-// The tiles below compute NC channels x RT rows at once: the weight block is loaded (and unpacked) once
-// for the RT rows, the activation block once for the NC channels, and NC * RT * U accumulators are
-// independent chains (U = 2 alternates blocks), so the FMA latency is hidden. U is the same for every
-// tile shape, so a row's result never depends on the tile it was computed in (same sums, same order).
-
-template <int NC, int RT, int U>
-__attribute__((always_inline)) inline void q8_block(const QuantRows& a, int64_t r0, const int8_t* w, int64_t K,
-                                                    int64_t nb, int64_t b, int u, __m256 (&acc)[NC][RT][U]) {
-  __m256i wv[NC], wu[NC];
-  for (int c = 0; c < NC; ++c) {
-    wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * K + b * QK));
-#ifdef MOASPEC_VNNI
-    wu[c] = _mm256_xor_si256(wv[c], _mm256_set1_epi8(char(0x80)));  // w + 128, corrected at the end
+// The integer kernels read weights interleaved by output channels (`quant.interleave_int8/int4` with
+// `channels()` of them, one int32 lane each: 16 with AVX-512, else 8): for each 4-value chunk of the
+// inputs, the channels' 4 bytes lie side by side in one register. One chunk of a row's activations,
+// broadcast, meets all of them in one integer dot product, so a 32-value block costs 8 dot products,
+// one conversion and one FMA per row and no horizontal sums. A chunk is loaded (and unpacked) once for up
+// to RT_MAX rows, and the weights stream sequentially.
+//
+// Row invariance: a row's integer sums are exact whatever their chain split, and its float sums run over
+// the blocks in order, one accumulator, whatever the row count, tile or thread split: a row's result
+// never depends on the rows beside it.
+#if defined(__AVX512VL__)
+constexpr int RT_MAX = 8;  // 32 vector registers
 #else
-    wu[c] = _mm256_sign_epi8(wv[c], wv[c]);
+constexpr int RT_MAX = 4;  // 16 vector registers
 #endif
-  }
-  for (int r = 0; r < RT; ++r) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (r0 + r) * K + b * QK));
-    const __m256 dv = _mm256_broadcast_ss(&a.d[(r0 + r) * nb + b]);
-    for (int c = 0; c < NC; ++c) {
-#ifdef MOASPEC_VNNI
-      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wu[c], xv);
-#else
-      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wu[c], _mm256_sign_epi8(xv, wv[c]));
+constexpr int64_t ROW_BLOCK = 64;     // prefill: rows a pass over a thread's weights serves from L2
+#ifndef MOASPEC_Q_PREFETCH
+#define MOASPEC_Q_PREFETCH 1024
 #endif
-      acc[c][r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dv, acc[c][r][u]);
-    }
-  }
-}
+constexpr int64_t Q_PREFETCH = MOASPEC_Q_PREFETCH;  // bytes of weights prefetched ahead
 
-// int8 weights, one scale per output channel; out[c * RT + r] before that scale.
-template <int NC, int RT, int U>
-void q8_tile(const QuantRows& a, int64_t r0, const int8_t* w, int64_t K, float* out) {
+// 8 channels a register: AVX2 (VNNI where present).
+struct Lanes8 {
+  static constexpr int CH = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I nibbles(I p, int shift) {
+    return _mm256_and_si256(shift ? _mm256_srli_epi16(p, 4) : p, _mm256_set1_epi8(0x0F));
+  }
+#ifdef MOASPEC_VNNI
+  static I unsigned_w(I w) { return _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80))); }  // w + 128
+  static I dot_w(I acc, I w, I u, I x) { return dot_u8s8(acc, u, x); }
+#else
+  static I unsigned_w(I w) { return _mm256_sign_epi8(w, w); }  // |w|, its sign moved onto x
+  static I dot_w(I acc, I w, I u, I x) { return dot_u8s8(acc, u, _mm256_sign_epi8(x, w)); }
+#endif
+  static I dot(I acc, I u, I x) { return dot_u8s8(acc, u, x); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+#if defined(MOASPEC_VNNI) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define MOASPEC_ZMM 1
+// 16 channels a register: AVX-512 VNNI.
+struct Lanes16 {
+  static constexpr int CH = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const void* p) { return _mm512_loadu_si512(p); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I nibbles(I p, int shift) {
+    return _mm512_and_si512(shift ? _mm512_srli_epi16(p, 4) : p, _mm512_set1_epi8(0x0F));
+  }
+  static I unsigned_w(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))); }
+  static I dot_w(I acc, I, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
+  static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+using Lanes = Lanes16;
+#else
+using Lanes = Lanes8;
+#endif
+constexpr int NCH = Lanes::CH;
+
+// int8 weights (one scale per channel, applied by the caller); res[r] = the channels of row r0 + r.
+template <int RT, typename V = Lanes>
+void q8_group(const QuantRows& a, int64_t r0, const int8_t* wg, int64_t K, typename V::F* res) {
+  constexpr int CH = RT >= 4 ? 1 : 2;  // independent integer chains per row
   const int64_t nb = K / QK;
-  __m256 acc[NC][RT][U];
-  for (int c = 0; c < NC; ++c)
+  typename V::F acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = V::zerof();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = wg + b * QK * V::CH;
+    if constexpr (RT >= 4)  // (at 1-2 rows the hardware prefetcher alone streams faster)
+      for (int64_t off = 0; off < QK * V::CH; off += 256)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + Q_PREFETCH + off), _MM_HINT_T0);
+    typename V::I ia[RT][CH];
     for (int r = 0; r < RT; ++r)
-      for (int u = 0; u < U; ++u) acc[c][r][u] = _mm256_setzero_ps();
-  // blocks b0 + u go to accumulator u; the blocks after the last full group to accumulator 0
-  int64_t b0 = 0;
-  for (; b0 + U <= nb; b0 += U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) q8_block<NC, RT, U>(a, r0, w, K, nb, b0 + u, u, acc);
-  }
-  for (; b0 < nb; ++b0) q8_block<NC, RT, U>(a, r0, w, K, nb, b0, 0, acc);
-  for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < RT; ++r) {
-      __m256 t = acc[c][r][0];
-      for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[c][r][u]);
-      out[c * RT + r] = hsum(t);
-#ifdef MOASPEC_VNNI
-      out[c * RT + r] -= 128.f * a.gsum[r0 + r];
-#endif
+      for (int c = 0; c < CH; ++c) ia[r][c] = V::zero();
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const auto w = V::load(wb + 4 * V::CH * k);
+      const auto u = V::unsigned_w(w);
+      for (int r = 0; r < RT; ++r)
+        ia[r][k % CH] = V::dot_w(ia[r][k % CH], w, u, V::bcast4(a.q.data() + (r0 + r) * K + b * QK + 4 * k));
     }
-}
-
-// sum_g offset[g] * gsum[g]: the int4 offsets' share of a dot product.
-inline float offset_dot(const uint16_t* mn, const float* gs, int64_t ng) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= ng; g += 8)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g))),
-                          _mm256_loadu_ps(gs + g), acc);
-  float s = hsum(acc);
-  for (; g < ng; ++g) s += _cvtsh_ss(mn[g]) * gs[g];
-  return s;
-}
-
-// Two fp16 scales per block pair as (s0 x4, s1 x4): both from one group when G >= 64.
-inline __m256 pair_vec(const uint16_t* v, int64_t b, int64_t per_group) {
-  if (per_group == 1) {
-    uint32_t two;
-    std::memcpy(&two, v + b, 4);
-    const __m256 f = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(two)));  // (v0, v1, v0, v1, ...)
-    return _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-  }
-  return _mm256_set1_ps(_cvtsh_ss(v[b / per_group]));
-}
-
-template <int NC, int RT, int U>
-__attribute__((always_inline)) inline void q4_pair(const QuantRows& a, int64_t r0, const uint8_t* w,
-                                                   const uint16_t* sc, int64_t K, int64_t nb, int64_t ng,
-                                                   int64_t per_group, int64_t b, int u, __m256 (&acc)[NC][RT][U]) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256i lo[NC], hi[NC];
-  __m256 sv[NC];
-  for (int c = 0; c < NC; ++c) {
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * (K / 2) + b * (QK / 2)));
-    lo[c] = _mm256_and_si256(packed, low);                         // (b 0..15, b+1 0..15)
-    hi[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);  // (b 16..31, b+1 16..31)
-    sv[c] = pair_vec(sc + c * ng, b, per_group);
+    for (int r = 0; r < RT; ++r) {
+      auto s = ia[r][0];
+      for (int c = 1; c < CH; ++c) s = V::add(s, ia[r][c]);
+      acc[r] = V::fma(V::cvt(s), V::set1(a.d[(r0 + r) * nb + b]), acc[r]);
+    }
   }
   for (int r = 0; r < RT; ++r) {
-    const int8_t* x = a.q.data() + (r0 + r) * K + b * QK;
-    const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-    const __m256 dv = _mm256_loadu_ps(&a.d[((r0 + r) * nb + b) * 4]);  // (d_b x4, d_b+1 x4)
-    for (int c = 0; c < NC; ++c) {
-      const __m256i p = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo[c], xa), hi[c], xb);
-      acc[c][r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv[c], dv), acc[c][r][u]);
-    }
+#ifdef MOASPEC_VNNI
+    acc[r] = V::fma(V::set1(-128.f), V::set1(a.gsum[r0 + r]), acc[r]);  // the w + 128 correction
+#endif
+    res[r] = acc[r];
   }
 }
 
-// int4 weights, scale and offset per group of G inputs, two blocks (64 inputs) per step.
-template <int NC, int RT, int U>
-void q4_tile(const QuantRows& a, int64_t r0, const uint8_t* w, const uint16_t* sc, const uint16_t* mn, int64_t K,
-             int64_t G, float* out) {
+// int4 weights, fp16 scale and offset per group of G inputs (sc, mn: [K / G][channels] for these
+// channels). A block's 4 chunks hold, per channel, values 4k..4k+3 in the low nibbles and 16+4k..16+4k+3
+// in the high ones.
+template <int RT, typename V = Lanes>
+void q4_group(const QuantRows& a, int64_t r0, const uint8_t* wg, const uint16_t* sc, const uint16_t* mn,
+              int64_t K, int64_t G, typename V::F* res) {
+  constexpr int CH = RT >= 4 ? 1 : 2;
   const int64_t nb = K / QK, ng = K / G, per_group = G / QK;
-  __m256 acc[NC][RT][U];
-  for (int c = 0; c < NC; ++c)
+  typename V::F acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = V::zerof();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = wg + b * (QK / 2) * V::CH;
+    if constexpr (RT >= 4)
+      for (int64_t off = 0; off < QK / 2 * V::CH; off += 256)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + Q_PREFETCH + off), _MM_HINT_T0);
+    typename V::I ia[RT][CH];
     for (int r = 0; r < RT; ++r)
-      for (int u = 0; u < U; ++u) acc[c][r][u] = _mm256_setzero_ps();
-  // block pairs b0 + 2u go to accumulator u; the pairs after the last full group to accumulator 0
-  int64_t b0 = 0;
-  for (; b0 + 2 * U <= nb; b0 += 2 * U) {
+      for (int c = 0; c < CH; ++c) ia[r][c] = V::zero();
 #pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) q4_pair<NC, RT, U>(a, r0, w, sc, K, nb, ng, per_group, b0 + 2 * u, u, acc);
-  }
-  for (; b0 < nb; b0 += 2) q4_pair<NC, RT, U>(a, r0, w, sc, K, nb, ng, per_group, b0, 0, acc);
-  for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < RT; ++r) {
-      __m256 t = acc[c][r][0];
-      for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[c][r][u]);
-      out[c * RT + r] = hsum(t) + offset_dot(mn + c * ng, &a.gsum[(r0 + r) * ng], ng);
+    for (int k = 0; k < 4; ++k) {
+      const auto p = V::load(wb + 4 * V::CH * k);
+      const auto lo = V::nibbles(p, 0), hi = V::nibbles(p, 4);
+      for (int r = 0; r < RT; ++r) {
+        const int8_t* x = a.q.data() + (r0 + r) * K + b * QK + 4 * k;
+        ia[r][0] = V::dot(ia[r][0], lo, V::bcast4(x));
+        ia[r][CH - 1] = V::dot(ia[r][CH - 1], hi, V::bcast4(x + 16));
+      }
     }
+    const auto sv = V::half(sc + (b / per_group) * V::CH);
+    for (int r = 0; r < RT; ++r) {
+      auto s = ia[r][0];
+      for (int c = 1; c < CH; ++c) s = V::add(s, ia[r][c]);
+      acc[r] = V::fma(V::cvt(s), V::mul(sv, V::set1(a.d[(r0 + r) * nb + b])), acc[r]);
+    }
+  }
+  // the offsets' share: sum_g m[g] * (the row's dequantised sum over group g)
+  for (int64_t g = 0; g < ng; ++g) {
+    const auto mv = V::half(mn + g * V::CH);
+    for (int r = 0; r < RT; ++r) acc[r] = V::fma(mv, V::set1(a.gsum[(r0 + r) * ng + g]), acc[r]);
+  }
+  for (int r = 0; r < RT; ++r) res[r] = acc[r];
 }
 
-constexpr int U = 2;  // accumulators per (channel, row): the same for every tile shape
-
-// Runs tiles(rt, n, r0, out) over all channels and rows; out[r] is channel n, row r0 + r. (Tiles of
-// several channels were measured slower: one channel at a time reads the weights as one sequential
-// stream, which the hardware prefetcher follows; four interleaved rows it did not.)
-template <typename Tiles>
-torch::Tensor run(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias, const float* post_scale,
-                  Tiles tiles) {
+// Runs group(rt, g, r0, res) over all groups of channels and tiles of up to RT_MAX rows; threads split
+// the groups, so each weight byte is read from memory once per ROW_BLOCK rows.
+template <typename Group>
+torch::Tensor run_groups(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias, const float* post_scale,
+                         Group group) {
+  using V = Lanes;
   auto y = torch::empty({R, N}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   const float* bp = nullptr;
@@ -275,28 +309,36 @@ torch::Tensor run(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias
                 "bias must be a contiguous float32 [out] tensor");
     bp = bias->data_ptr<float>();
   }
-  // Channels are split among threads in blocks; each weight row is read from memory once for all R
-  // rows. For many rows (prefill) a block of channels meets each tile of rows while both sit in L1.
-  constexpr int64_t NB = 16;
-  // one tile for up to 8 rows (a verified chain or tree): a second tile would run over the weights again
-  const int RT = static_cast<int>(std::min<int64_t>(R, 8));
-  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
-    float out[16];
-    for (int64_t n0 = begin * NB; n0 < std::min(N, end * NB); n0 += NB) {
-      const int64_t n1 = std::min(N, n0 + NB);
-      for (int64_t r0 = 0; r0 < R; r0 += RT) {
-        const int rt = static_cast<int>(std::min<int64_t>(RT, R - r0));
-        for (int64_t n = n0; n < n1; ++n) {
-          tiles(rt, n, r0, out);
-          const float ps = post_scale ? post_scale[n] : 1.f;
-          const float b = bp ? bp[n] : 0.f;
-          for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n] = out[r] * ps + b;
+  at::parallel_for(0, N / NCH, 1, [&](int64_t begin, int64_t end) {
+    V::F res[RT_MAX];
+    for (int64_t rb = 0; rb < R; rb += ROW_BLOCK) {
+      const int64_t re = std::min(R, rb + ROW_BLOCK);
+      for (int64_t g = begin; g < end; ++g) {
+        const auto ps = post_scale ? V::loadf(post_scale + g * NCH) : V::set1(1.f);
+        const auto bv = bp ? V::loadf(bp + g * NCH) : V::zerof();
+        for (int64_t r0 = rb; r0 < re; r0 += RT_MAX) {
+          const int rt = static_cast<int>(std::min<int64_t>(RT_MAX, re - r0));
+          group(rt, g, r0, res);
+          for (int r = 0; r < rt; ++r) V::store(yp + (r0 + r) * N + g * NCH, V::fma(res[r], ps, bv));
         }
       }
     }
   });
   return y;
 }
+
+// CALL(RT) for the tile size rt (1..RT_MAX).
+#define MOASPEC_TILES(rt, CALL)                        \
+  switch (rt) {                                        \
+    case 1: CALL(1); break;                            \
+    case 2: CALL(2); break;                            \
+    case 3: CALL(3); break;                            \
+    case 4: CALL(4); break;                            \
+    case 5: if constexpr (RT_MAX >= 8) CALL(5); break; \
+    case 6: if constexpr (RT_MAX >= 8) CALL(6); break; \
+    case 7: if constexpr (RT_MAX >= 8) CALL(7); break; \
+    default: if constexpr (RT_MAX >= 8) CALL(8);       \
+  }
 
 // fp16 weights, fp32 activations and sums, for the few rows of a decode step, a draft step or a small
 // tree: one channel's weights are converted once (F16C) for all RT rows, so 2-8 rows stream the weights
@@ -393,21 +435,78 @@ torch::Tensor linear_f16(const torch::Tensor& x, const torch::Tensor& w16, const
 // a draft step's time was mostly per-op dispatch, not weights. Inference only; the norms sum in another
 // order than torch's, so results match the reference math up to float rounding, not bit for bit.
 
-// x [R, K] -> x * rsqrt(mean(x^2) + eps) * w
+// x [R, K] -> x * rsqrt(mean(x^2) + eps) * w, each row alone (many rows split among the threads)
 torch::Tensor rms_rows(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be contiguous float32 [rows, in]");
   const int64_t R = x.size(0), K = x.size(1);
   TORCH_CHECK(w.numel() == K && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "norm weight must be float32 [in]");
   auto h = torch::empty({R, K}, torch::kFloat32);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = xp + r * K;
-    double ss = 0.0;
-    for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * xr[k];
-    const float inv = 1.f / std::sqrt(float(ss / K) + float(eps));
-    for (int64_t k = 0; k < K; ++k) hp[r * K + k] = xr[k] * inv * wp[k];
-  }
+  at::parallel_for(0, R, R >= 32 ? 16 : R, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * K;
+      double ss = 0.0;
+      for (int64_t k = 0; k < K; ++k) ss += double(xr[k]) * xr[k];
+      const float inv = 1.f / std::sqrt(float(ss / K) + float(eps));
+      for (int64_t k = 0; k < K; ++k) hp[r * K + k] = xr[k] * inv * wp[k];
+    }
+  });
   return h;
+}
+
+// RoPE (rotate-half, its sign folded into `sin_signed`) in place on the first `cols` columns of y [R, N],
+// head by head of d; row r takes row r % P of cos, sin_signed [P, d].
+void rope_rows_inplace(float* yp, int64_t R, int64_t N, int64_t cols, const float* cp, const float* sp, int64_t P,
+                       int64_t d) {
+  const int64_t half = d / 2;
+  std::vector<float> tmp(d);
+  for (int64_t r = 0; r < R; ++r) {
+    const float *c = cp + (r % P) * d, *s = sp + (r % P) * d;
+    for (int64_t h0 = 0; h0 < cols; h0 += d) {
+      float* v = yp + r * N + h0;
+      std::memcpy(tmp.data(), v, d * sizeof(float));
+      for (int64_t j = 0; j < d; ++j) v[j] = tmp[j] * c[j] + tmp[(j + half) % d] * s[j];
+    }
+  }
+}
+
+void check_rope(const torch::Tensor& y, const torch::Tensor& cos, const torch::Tensor& sin_signed, int64_t cols) {
+  TORCH_CHECK(cos.dim() == 2 && sin_signed.sizes() == cos.sizes() && cos.is_contiguous() && sin_signed.is_contiguous() &&
+              cos.scalar_type() == torch::kFloat32 && sin_signed.scalar_type() == torch::kFloat32,
+              "cos and sin_signed must be contiguous float32 [positions, head_dim]");
+  TORCH_CHECK(cols % cos.size(1) == 0 && cols <= y.size(1) && cos.size(1) % 2 == 0, "rope_cols must be whole heads of the output");
+}
+
+// RoPE in place on the first `cols` columns of y [R, N] (the decoding path's q|k heads).
+void rope_(torch::Tensor y, const torch::Tensor& cos, const torch::Tensor& sin_signed, int64_t cols) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.is_contiguous(), "y must be contiguous float32 [rows, cols]");
+  check_rope(y, cos, sin_signed, cols);
+  rope_rows_inplace(y.data_ptr<float>(), y.size(0), y.size(1), cols, cos.data_ptr<float>(), sin_signed.data_ptr<float>(),
+                    cos.size(0), cos.size(1));
+}
+
+// [g | u] [R, 2M] -> silu(g) * u [R, M]; e^-|g| vectorised (sigmoid from either side), each element alone.
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 16 == 0 && gu.scalar_type() == torch::kFloat32 && gu.is_contiguous(),
+              "gate_up must be contiguous float32 [rows, 2 * M] with M a multiple of 8");
+  const int64_t R = gu.size(0), M = gu.size(1) / 2;
+  auto a = torch::empty({R, M}, torch::kFloat32);
+  const float* g = gu.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  at::parallel_for(0, R, R >= 32 ? 16 : R, [&](int64_t r0, int64_t r1) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < M; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + r * 2 * M + j), uv = _mm256_loadu_ps(g + r * 2 * M + M + j);
+        const __m256 e = exp256(_mm256_or_ps(gv, sign));  // e^-|g|
+        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
+        const __m256 sig = _mm256_blendv_ps(_mm256_mul_ps(e, inv), inv, pos);
+        _mm256_storeu_ps(ap + r * M + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), uv));
+      }
+  });
+  return a;
 }
 
 // y = rms_norm(x) @ w.T (x @ w.T without `ln`) with RoPE (rotate-half, the sign folded into `sin_signed`) on the first
@@ -419,22 +518,9 @@ torch::Tensor norm_linear_rope_f16(const torch::Tensor& x, const c10::optional<t
   check_input(x, w16.size(1));
   auto y = linear_f16(ln.has_value() && ln->defined() ? rms_rows(x, *ln, eps) : x, w16, c10::nullopt);
   if (rope_cols == 0) return y;
-  const int64_t R = y.size(0), N = y.size(1), P = cos.size(0), d = cos.size(1), half = d / 2;
-  TORCH_CHECK(cos.dim() == 2 && sin_signed.sizes() == cos.sizes() && cos.is_contiguous() && sin_signed.is_contiguous() &&
-              cos.scalar_type() == torch::kFloat32 && sin_signed.scalar_type() == torch::kFloat32,
-              "cos and sin_signed must be contiguous float32 [positions, head_dim]");
-  TORCH_CHECK(rope_cols % d == 0 && rope_cols <= N && d % 2 == 0, "rope_cols must be whole heads of the output");
-  const float *cp = cos.data_ptr<float>(), *sp = sin_signed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  std::vector<float> tmp(d);
-  for (int64_t r = 0; r < R; ++r) {
-    const float *c = cp + (r % P) * d, *s = sp + (r % P) * d;
-    for (int64_t h0 = 0; h0 < rope_cols; h0 += d) {
-      float* v = yp + r * N + h0;
-      std::memcpy(tmp.data(), v, d * sizeof(float));
-      for (int64_t j = 0; j < d; ++j) v[j] = tmp[j] * c[j] + tmp[(j + half) % d] * s[j];
-    }
-  }
+  check_rope(y, cos, sin_signed, rope_cols);
+  rope_rows_inplace(y.data_ptr<float>(), y.size(0), y.size(1), rope_cols, cos.data_ptr<float>(), sin_signed.data_ptr<float>(),
+                    cos.size(0), cos.size(1));
   return y;
 }
 
@@ -466,60 +552,49 @@ torch::Tensor block_tail_f16(const torch::Tensor& x, const torch::Tensor& att, c
 
 torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
                         const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == torch::kInt8 && qw.is_contiguous(), "qw must be int8 [out, in]");
-  const int64_t N = qw.size(0), K = qw.size(1), R = x.size(0);
+  TORCH_CHECK(qw.dim() == 4 && qw.size(2) == NCH && qw.size(3) == 4 && qw.scalar_type() == torch::kInt8 &&
+                  qw.is_contiguous(), "qw must be int8 [out / channels, in / 4, channels, 4] (quant.interleave_int8)");
+  const int64_t N = qw.size(0) * NCH, K = qw.size(1) * 4, R = x.size(0);
   check_input(x, K);
   TORCH_CHECK(K % QK == 0, "int8 layers need in_features divisible by 32");
   TORCH_CHECK(scale.numel() == N && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(),
               "scale must be float32 [out]");
-  const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, K, false);
+  const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, K);
   const int8_t* w = qw.data_ptr<int8_t>();
-  return run(R, N, bias, scale.data_ptr<float>(), [&](int rt, int64_t n, int64_t r0, float* out) {
-    const int8_t* wn = w + n * K;
-    switch (rt) {
-      case 8: q8_tile<1, 8, U>(a, r0, wn, K, out); break;
-      case 7: q8_tile<1, 7, U>(a, r0, wn, K, out); break;
-      case 6: q8_tile<1, 6, U>(a, r0, wn, K, out); break;
-      case 5: q8_tile<1, 5, U>(a, r0, wn, K, out); break;
-      case 4: q8_tile<1, 4, U>(a, r0, wn, K, out); break;
-      case 3: q8_tile<1, 3, U>(a, r0, wn, K, out); break;
-      case 2: q8_tile<1, 2, U>(a, r0, wn, K, out); break;
-      default: q8_tile<1, 1, U>(a, r0, wn, K, out);
-    }
+  return run_groups(R, N, bias, scale.data_ptr<float>(), [&](int rt, int64_t g, int64_t r0, Lanes::F* res) {
+    const int8_t* wg = w + g * NCH * K;
+#define Q8(RT) q8_group<RT>(a, r0, wg, K, res)
+    MOASPEC_TILES(rt, Q8)
+#undef Q8
   });
 }
 
 torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
                         const torch::Tensor& offset, int64_t G, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == torch::kUInt8 && qw.is_contiguous(),
-              "qw must be uint8 [out, in / 2]");
-  const int64_t N = qw.size(0), K = qw.size(1) * 2, R = x.size(0);
+  TORCH_CHECK(qw.dim() == 5 && qw.size(2) == 4 && qw.size(3) == NCH && qw.size(4) == 4 &&
+                  qw.scalar_type() == torch::kUInt8 && qw.is_contiguous(),
+              "qw must be uint8 [out / channels, in / 32, 4, channels, 4] (quant.interleave_int4)");
+  const int64_t N = qw.size(0) * NCH, K = qw.size(1) * QK, R = x.size(0);
   check_input(x, K);
-  TORCH_CHECK(K % (2 * QK) == 0, "int4 layers need in_features divisible by 64");
   TORCH_CHECK(G % QK == 0 && K % G == 0, "group size must be a multiple of 32 dividing in_features");
   for (const auto* t : {&scale, &offset})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == K / G && t->scalar_type() == torch::kFloat16 &&
-                    t->is_contiguous(), "scale and offset must be float16 [out, in / group]");
-  const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, G, true);
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == N / NCH && t->size(1) == K / G && t->size(2) == NCH &&
+                    t->scalar_type() == torch::kFloat16 && t->is_contiguous(),
+                "scale and offset must be float16 [out / channels, in / group, channels] (quant.interleave_int4)");
+  const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, G);
   const uint8_t* w = qw.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
   const int64_t ng = K / G;
-  return run(R, N, bias, nullptr, [&](int rt, int64_t n, int64_t r0, float* out) {
-    const uint8_t* wn = w + n * (K / 2);
-    const uint16_t *sn = sp + n * ng, *mn = mp + n * ng;
-    switch (rt) {
-      case 8: q4_tile<1, 8, U>(a, r0, wn, sn, mn, K, G, out); break;
-      case 7: q4_tile<1, 7, U>(a, r0, wn, sn, mn, K, G, out); break;
-      case 6: q4_tile<1, 6, U>(a, r0, wn, sn, mn, K, G, out); break;
-      case 5: q4_tile<1, 5, U>(a, r0, wn, sn, mn, K, G, out); break;
-      case 4: q4_tile<1, 4, U>(a, r0, wn, sn, mn, K, G, out); break;
-      case 3: q4_tile<1, 3, U>(a, r0, wn, sn, mn, K, G, out); break;
-      case 2: q4_tile<1, 2, U>(a, r0, wn, sn, mn, K, G, out); break;
-      default: q4_tile<1, 1, U>(a, r0, wn, sn, mn, K, G, out);
-    }
+  return run_groups(R, N, bias, nullptr, [&](int rt, int64_t g, int64_t r0, Lanes::F* res) {
+    const uint8_t* wg = w + g * NCH * (K / 2);
+    const uint16_t *sg = sp + g * ng * NCH, *mg = mp + g * ng * NCH;
+#define Q4(RT) q4_group<RT>(a, r0, wg, sg, mg, K, G, res)
+    MOASPEC_TILES(rt, Q4)
+#undef Q4
   });
 }
+
 
 struct AttendArgs {
   const float *q, *k, *v;  // one query row; its KV head's keys and values
@@ -628,9 +703,104 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+
+// ---- the decoder layers of a pass in one call ----
+// A quantised layer as `Linear` runs it: int8 (group 0) or int4 with `group` inputs per scale; an absent
+// offset or bias is an empty tensor.
+struct QLin {
+  torch::Tensor q, scale, offset, bias;
+  int64_t group = 0;
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    const c10::optional<torch::Tensor> b = bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
+    return group ? linear_q4(x, q, scale, offset, group, b) : linear_q8(x, q, scale, b);
+  }
+};
+
+// Every decoder layer of a model with quantised weights, run over one sequence's new rows without
+// returning to Python between layers (a 28-layer decode step made ~20 torch calls a layer). The steps
+// are the functions the layer-by-layer path (`Transformer.layer_forward`) calls, in the same order, so
+// both give the same bits.
+class Stack {
+ public:
+  Stack(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> groups, int64_t heads,
+        int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : H_(heads), Hkv_(kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
+    TORCH_CHECK(tensors.size() == groups.size(), "one group list a layer");
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      TORCH_CHECK(t.size() == 18 && groups[i].size() == 4, "a layer is ln1, ln2 and 4 x (q, scale, offset, bias)");
+      Layer l{t[0], t[1], {}};
+      for (int j = 0; j < 4; ++j) l.lin[j] = QLin{t[2 + 4 * j], t[3 + 4 * j], t[4 + 4 * j], t[5 + 4 * j], groups[i][j]};
+      layers_.push_back(std::move(l));
+    }
+  }
+
+  // x [n, D] the rows' inputs; kc, vc [L, Hkv, S, d] the sequence's cache, the rows written at slots
+  // start..start+n; cos, sin_signed [n, d]; mask [n, start + n] or causal. Returns the last layer's output
+  // and the inputs of the layers in `hidden`.
+  std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
+                                     const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                                     const c10::optional<torch::Tensor>& mask, const std::vector<int64_t>& hidden) {
+    const int64_t n = x.size(0), d = d_, qd = H_ * d, kvd = Hkv_ * d, L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(kc.dim() == 4 && kc.size(0) == L && kc.size(1) == Hkv_ && kc.size(3) == d && kc.is_contiguous() &&
+                    vc.sizes() == kc.sizes() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
+                    vc.scalar_type() == torch::kFloat32, "kc and vc must be contiguous float32 [layers, kv_heads, slots, head_dim]");
+    TORCH_CHECK(start + n <= kc.size(2), "the cache has no room for these rows");
+    TORCH_CHECK(cos.size(0) == n, "one rope row a new row");
+    std::vector<torch::Tensor> out(1);
+    const int64_t S = kc.size(2);
+    for (int64_t i = 0; i < L; ++i) {
+      if (std::find(hidden.begin(), hidden.end(), i) != hidden.end()) out.push_back(x);
+      const Layer& l = layers_[i];
+      auto qkv = l.lin[0](rms_rows(x, l.ln1, eps_));
+      rope_(qkv, cos, sin_signed, qd + kvd);
+      const float* src = qkv.data_ptr<float>();
+      const int64_t N = qkv.size(1);
+      float *kp = kc.data_ptr<float>() + i * Hkv_ * S * d, *vp = vc.data_ptr<float>() + i * Hkv_ * S * d;
+      auto q = torch::empty({H_, n, d}, torch::kFloat32);
+      float* qp = q.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t h = 0; h < H_; ++h) std::memcpy(qp + (h * n + r) * d, src + r * N + h * d, d * sizeof(float));
+        for (int64_t h = 0; h < Hkv_; ++h) {
+          std::memcpy(kp + (h * S + start + r) * d, src + r * N + qd + h * d, d * sizeof(float));
+          std::memcpy(vp + (h * S + start + r) * d, src + r * N + qd + kvd + h * d, d * sizeof(float));
+        }
+      }
+      const auto att = attention(q, kc.select(0, i), vc.select(0, i), start + n, mask, scale_);
+      auto rows = torch::empty({n, qd}, torch::kFloat32);
+      const float* ap = att.data_ptr<float>();
+      float* rp = rows.data_ptr<float>();
+      for (int64_t h = 0; h < H_; ++h)
+        for (int64_t r = 0; r < n; ++r) std::memcpy(rp + r * qd + h * d, ap + (h * n + r) * d, d * sizeof(float));
+      x = add(x, l.lin[1](rows));
+      x = add(x, l.lin[3](silu_mul(l.lin[2](rms_rows(x, l.ln2, eps_)))));
+    }
+    out[0] = x;
+    return out;
+  }
+
+ private:
+  struct Layer {
+    torch::Tensor ln1, ln2;
+    QLin lin[4];  // qkv, o, gate_up, down
+  };
+  static torch::Tensor add(const torch::Tensor& x, torch::Tensor y) {  // x + y, into y
+    float* yp = y.data_ptr<float>();
+    const float* xp = x.data_ptr<float>();
+    for (int64_t i = 0; i < y.numel(); ++i) yp[i] = xp[i] + yp[i];
+    return y;
+  }
+  std::vector<Layer> layers_;
+  int64_t H_, Hkv_, d_;
+  double eps_, scale_;
+};
+
 }  // namespace
 
+int64_t channels() { return NCH; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("channels", &channels, "output channels the integer kernels interleave (quant.interleave_int8/int4)");
   m.doc() = "weight-only int8/int4 linear layers with block-quantised activations, few-row fp16 layers (AVX2)";
   m.def("linear_q8", &linear_q8, "y = x @ (q * s).T + b", py::arg("x"), py::arg("qw"), py::arg("scale"),
         py::arg("bias") = py::none());
@@ -643,6 +813,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("att"), py::arg("o"), py::arg("ln2"), py::arg("eps"), py::arg("gate_up"), py::arg("down"));
   m.def("attention", &attention, "row-invariant attention over the first T cache slots", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("T"), py::arg("mask") = py::none(), py::arg("scale"));
+  m.def("rms_norm", &rms_rows, "x * rsqrt(mean(x^2) + eps) * w, row by row", py::arg("x"), py::arg("w"), py::arg("eps"));
+  m.def("rope_", &rope_, "RoPE in place on the first cols columns of y", py::arg("y"), py::arg("cos"),
+        py::arg("sin_signed"), py::arg("cols"));
+  m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u]", py::arg("gate_up"));
+  py::class_<Stack>(m, "Stack")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t, int64_t,
+                    double, double>(),
+           py::arg("tensors"), py::arg("groups"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("scale"))
+      .def("forward", &Stack::forward, py::arg("x"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("cos"),
+           py::arg("sin_signed"), py::arg("mask"), py::arg("hidden"));
   m.def("linear_q4", &linear_q4, "y = x @ (q * s + m).T + b, groups of G inputs", py::arg("x"), py::arg("qw"),
         py::arg("scale"), py::arg("offset"), py::arg("group"), py::arg("bias") = py::none());
 }

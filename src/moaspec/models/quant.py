@@ -139,9 +139,8 @@ def quantize_int4(w: torch.Tensor, group: int = 32,
     Each group's scale and offset minimise the squared error: a few narrowed ranges are tried, each
     with its least-squares refit (min-max rounding alone doubled the logit error on SmolLM2)."""
     out, inp = w.shape
-    if group not in INT4_GROUPS or inp % group or inp % (2 * BLOCK):
-        raise UserError(f"int4 needs a group size in {INT4_GROUPS} dividing the layer's {inp} inputs, and inputs "
-                        "divisible by 64")
+    if group not in INT4_GROUPS or inp % group:
+        raise UserError(f"int4 needs a group size in {INT4_GROUPS} dividing the layer's {inp} inputs")
     parts = [_int4_groups(w[i:i + chunk].float().reshape(-1, inp // group, group)) for i in range(0, out, chunk)]
     q, scale, offset = (torch.cat(t) for t in zip(*parts, strict=True))
     blocks = q.reshape(out, inp // BLOCK, 2, BLOCK // 2)
@@ -178,12 +177,45 @@ def _int4_groups(g: torch.Tensor, narrowing: tuple[float, ...] = (1.0, 0.95, 0.9
 def on_int4_grid(w: torch.Tensor, group: int = BLOCK, sample_rows: int = 64) -> bool:
     """Whether int4 with this group holds `w` exactly: true of the tensors a Q4_0/Q4_1 GGUF de-quantised to
     (the least-squares refit recovers each block's scale and offset). A sample of rows answers most no's."""
-    if w.shape[1] % (2 * BLOCK) or w.shape[1] % group:
+    if w.shape[1] % group:
         return False
     for rows in (w[:sample_rows], w):
         if not torch.equal(dequantize_int4(*quantize_int4(rows, group)), rows.float()):
             return False
     return True
+
+
+def channels() -> int:
+    """Output channels the integer kernels interleave, one int32 lane each: 16 with AVX-512, else 8. A
+    layer whose outputs they do not divide runs in fp16 (`linear.runnable_mode`)."""
+    return int(kernels().channels())
+
+
+def interleave_int8(q: torch.Tensor) -> torch.Tensor:
+    """The kernels' layout of int8 weights [out, in]: [out / C, in / 4, C, 4] for C = `channels()`, each
+    4-value chunk of C channels side by side (one register; see qgemm.cpp)."""
+    out, inp = q.shape
+    c = channels()
+    return q.reshape(out // c, c, inp // 4, 4).transpose(1, 2).contiguous()
+
+
+def interleave_int4(packed: torch.Tensor, scale: torch.Tensor,
+                    offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' layout of `quantize_int4`'s output: weights [out / C, in / 32, 4, C, 4] uint8 for C =
+    `channels()` (chunk k of a block: per channel, values 4k..4k+3 in the low nibbles, 16+4k..16+4k+3 in
+    the high ones), scale and offset [out / C, in / group, C]."""
+    out, half = packed.shape
+    c = channels()
+    inp = half * 2
+    blocks = packed.reshape(out, inp // BLOCK, BLOCK // 2)
+    values = torch.cat([blocks & 15, blocks >> 4], 2)  # [out, blocks, 32] in input order
+    v = values.reshape(out // c, c, inp // BLOCK, 2, 4, 4)  # channel group, channel, block, half, k, j
+    chunks = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # group, block, k, channel, j
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(out // c, c, -1).transpose(1, 2).contiguous()
+
+    return chunks, by_group(scale), by_group(offset)
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
