@@ -472,8 +472,14 @@ def test_adaptive_chain_follows_acceptance_and_costs():
     a = AdaptiveChain(flat, max_depth=8)
     assert a.choose() == 3  # nothing measured yet
     assert _drive(a, 30, 1.0)[-1] == 8  # cheap drafts, all accepted: the longest chain
-    assert _drive(AdaptiveChain(flat, 8), 30, 0.0)[-1] == 1  # nothing accepted: the floor
-    assert _drive(a, 40, 0.0)[-1] == 1  # the regime changed: it follows within a window of calls
+    # nothing accepted: plain steps, and one probe of a level every PROBE_EVERY calls
+    idle = _drive(AdaptiveChain(flat, 8), 40, 0.0)
+    assert idle[-AdaptiveChain.PROBE_EVERY:].count(1) == 1 and set(idle[-16:]) == {0, 1}
+    assert _drive(AdaptiveChain(flat, 8, floor=1), 30, 0.0)[-1] == 1  # floor 1: always one level
+    assert _drive(a, 40, 0.0)[-1] <= 1  # the regime changed: it follows within a window of calls
+    back = AdaptiveChain(flat, 8)
+    _drive(back, 40, 0.0)
+    assert _drive(back, 60, 1.0)[-1] == 8  # a text that turns repetitive is found by the probes
     cpu = {1: 10.0, 2: 10.0, 4: 11.0, 8: 40.0}  # rows past 4 get dear, as on this CPU
     assert _drive(AdaptiveChain(cpu, 8), 30, 1.0)[-1] == 3
     # dear draft steps (a draft model a third of the target) need high acceptance to draft long
@@ -497,7 +503,7 @@ def test_adaptive_tree_prices_its_width():
     flat = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0, 32: 10.0}
     wide = AdaptiveChain(flat, 8, width=2)
     assert len(wide.rel) == 17 and _drive(wide, 30, 1.0)[-1] == 8
-    assert _drive(AdaptiveChain(flat, 8, width=2), 30, 0.0)[-1] == 1
+    assert _drive(AdaptiveChain(flat, 8, width=2, floor=1), 30, 0.0)[-1] == 1
     # the pass time is learnt per row count: 2 levels of 2 read as a 5-row pass, not a 3-row one
     a = AdaptiveChain({1: 10.0, 2: 10.0, 4: 20.0, 8: 40.0}, 4, width=2)
     a.update(2, 1, 0.002, 0.020, rows=4)

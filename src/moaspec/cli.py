@@ -24,7 +24,7 @@ from moaspec.decoding.tree import ADAPTIVE_MAX_DEPTH, MAX_DEPTH, MAX_TOPK, MAX_T
 from moaspec.drafters import DEFAULT_DRAFT_MODEL, DRAFTERS, HYBRID_MODELS, resolve_auto
 from moaspec.drafters.hybrid import POLICIES as HYBRID_POLICIES
 from moaspec.errors import UserError
-from moaspec.models.linear import WEIGHT_MODES
+from moaspec.models.linear import WEIGHT_CHOICES, WEIGHT_MODES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
 from moaspec.serving.openai_api import API_KEY_ENV, ApiLimits
 from moaspec.serving.protocol import Limits
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("serve-target", help="serve the target model to remote drafters (client-server mode)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     st.add_argument("--model", default=DEFAULT_MODEL, help=f"target: {', '.join(MODELS)}")
-    st.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
+    st.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     _add_threads_arg(st)
     st.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     st.add_argument("--port", type=int, default=8765)
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "best per method), adaptive[:max depth] (chain length chosen per call) or depth,topk,total; "
                    "all but sweep take @P for a confidence stop at path probability P (--min-prob)")
     b.add_argument("--checkpoints", metavar="DIR", help="folder of <method>/ drafter checkpoints (default: shipped)")
-    b.add_argument("--weights", default="fp32", choices=WEIGHT_MODES)
+    b.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     _add_threads_arg(b)
     b.add_argument("--out", default="bench-out", help="answer files, report.md, results.json and plots; "
                    "a rerun resumes")
@@ -272,8 +272,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--datastore", metavar="DIR|none",
                    help="the suffix drafter's store of the target's answers (`moaspec datastore`); default: the one "
                         "shipped for the target; none: only the text and this session's earlier answers")
-    g.add_argument("--weights", default="fp32", choices=WEIGHT_MODES, help="weight storage of the linear layers "
-                   "(int8, int4[-gGROUP]: quantised, compiled kernels; see the README's table)")
+    g.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     _add_threads_arg(g)
     g.add_argument("--target", metavar="URL", help="verify on a `moaspec serve-target` server (ws://host:port): "
                    "only the drafter and the embedding/LM head run here")
@@ -300,6 +299,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--min-prob", type=float, default=None, metavar="P",
                    help="stop drafting once the likeliest draft path's probability (the drafter's own) is below P, "
                         "0 <= P < 1 (EAGLE-2's confidence stop; default 0: off)")
+
+
+WEIGHTS_HELP = ("weight storage of the linear layers: auto = the fastest mode at the model's own quality (int4 for a "
+                "model shipped in 4 bits such as SmolLM2, else int8; fp16 where the compiled kernels cannot run); "
+                "fp32 the exact reference; fp16, int8, int4[-gGROUP] (see docs/results.md)")
 
 
 def _add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -557,8 +561,8 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
     server = _target_server(args, scheduler_thread=False)
     batched = "batched passes" if server.model.batch_invariant() else \
         "passes one session at a time (fp32 is not batch-invariant: use --weights fp16/int8/int4 to batch)"
-    print(f"serving {args.model} ({args.weights}, {batched}) on {'wss' if tls else 'ws'}://{args.host}:{args.port} "
-          f"with {len(server.encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
+    print(f"serving {args.model} ({server.model.weights}, {batched}) on {'wss' if tls else 'ws'}://{args.host}:"
+          f"{args.port} with {len(server.encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
     serve(server, args.host, args.port, **tls)
     return 0
 
@@ -619,10 +623,11 @@ def _generate(dec, ids: list[int], cfg: GenerationConfig, out=None):
     return dec.generate(ids, cfg, on_text=write if out is not None else None)
 
 
-def _summary(gen, label: str) -> str:
+def _summary(gen, label: str, weights: str) -> str:
     m = gen.metrics
     return (
-        f"[{label}] {m.new_tokens} tokens ({gen.finish_reason}) | {m.tokens_per_s:.1f} tok/s | tau {m.tau:.2f} | "
+        f"[{label}, {weights}] {m.new_tokens} tokens ({gen.finish_reason}) | {m.tokens_per_s:.1f} tok/s | "
+        f"tau {m.tau:.2f} | "
         f"{m.target_calls} target calls | prefill {m.prefill_s:.2f}s draft {m.draft_s:.2f}s "
         f"verify {m.verify_s:.2f}s total {m.total_s:.2f}s"
     )
@@ -730,7 +735,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not streaming:
         sys.stdout.write(gen.text)
     _end_line(sys.stdout, gen.text)
-    print(_summary(gen, _label(args)), file=sys.stderr, flush=True)
+    print(_summary(gen, _label(args), dec.target.weights), file=sys.stderr, flush=True)
     return 0
 
 
@@ -789,7 +794,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         _end_line(sys.stdout, gen.text)
         history.append({"role": "assistant", "content": gen.text})
-        print(_summary(gen, _label(args)), file=sys.stderr, flush=True)
+        print(_summary(gen, _label(args), dec.target.weights), file=sys.stderr, flush=True)
     return EXIT_USAGE if failed else 0
 
 

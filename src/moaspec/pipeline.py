@@ -216,7 +216,8 @@ class SpecDecoder:
             target: TargetSide = self.remote
         else:
             target = LocalTarget(self.target, encoder, cache=self.cache, scheduler=self.scheduler,
-                                 defer_context=getattr(self.drafter, "defers_context", False))
+                                 defer_context=getattr(self.drafter, "defers_context", False),
+                                 candidates=getattr(self.drafter, "candidates", 0))
         self.engine = Engine(target, self.drafter, tree, adapt)
 
     def auto_tree(self) -> TreeConfig:

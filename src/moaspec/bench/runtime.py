@@ -45,15 +45,20 @@ def _ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def greedy(m: Transformer, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """Plain greedy decoding on the bare runtime (no engine): what a decode step costs."""
+def greedy(m: Transformer, prompt_ids: list[int], new_tokens: int, timing: dict | None = None) -> list[int]:
+    """Plain greedy decoding on the bare runtime (no engine): what a decode step costs. `timing` gets
+    "prefill_s" and "decode_s" (the steps after the first token, what llama.cpp's decode timer counts)."""
     m.reset()
+    t0 = time.perf_counter()
     tok = m.prefill(prompt_ids).logits[-1].argmax()
     out = [int(tok)]
+    t1 = time.perf_counter()
     for _ in range(new_tokens - 1):
         tok = m.forward(tok[None]).logits[-1].argmax()
         m.advance(1)
         out.append(int(tok))
+    if timing is not None:
+        timing.update(prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
     return out
 
 

@@ -61,7 +61,7 @@ class BenchConfig:
     tree: str = "auto"  # "auto" (calibrated), "sweep" (best measured per method) or "depth,topk,total";
     # "auto", "adaptive[:depth]" and "depth,topk,total" take "@P" for TreeConfig.min_prob
     checkpoints: str | None = None  # folder of <method>/ checkpoints; default: those shipped for the model
-    weights: str = "fp32"
+    weights: str = "auto"  # the CLI's default: the fastest mode at the model's own quality
     out: str = "bench-out"
     seed: int = 0
     sweep_questions: int = 4

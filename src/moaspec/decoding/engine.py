@@ -294,6 +294,8 @@ class Engine:
         cfg = self.tree
         if self.adapt is not None:
             d = self.adapt.choose()
+            if d == 0:  # drafts are not paying here now: a plain step
+                return Tree.chain(root)
             cfg = replace(cfg, depth=d, total_tokens=d * cfg.topk, adaptive=False)
         if room < cfg.total_tokens or room < cfg.depth:
             cfg = replace(cfg, depth=min(cfg.depth, room), total_tokens=min(cfg.total_tokens, room))

@@ -79,6 +79,21 @@ def resolve_contexts(pending: list[DeferredContext]) -> list[Context]:
     return [r.resolve() for r in runs if len(r)]
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The target's top-k next tokens after each row of a pass, with their probabilities: the context a
+    drafter that recycles them takes (`drafters.recycling`), in place of an encoder's."""
+
+    tokens: list[int]  # the rows' tokens
+    ids: torch.Tensor  # [rows, k] int64
+    probs: torch.Tensor  # [rows, k] float32
+
+
+def top_candidates(tokens: list[int], logits: torch.Tensor, k: int) -> Candidates:
+    probs, ids = torch.softmax(logits.float(), -1).topk(k, -1)
+    return Candidates(list(tokens), ids, probs)
+
+
 @dataclass
 class Step:
     verdict: Verdict
@@ -126,8 +141,10 @@ class LocalTarget:
 
     def __init__(self, model: Transformer, encoder: ContextEncoder | None = None, cache: KVCache | None = None,
                  costs: dict[int, float] | None = None, defer_context: bool = False,
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None, candidates: int = 0):
         self.model = model
+        # a drafter without an encoder that recycles the target's top-k: its context is `Candidates`
+        self.candidates = candidates if encoder is None else 0
         self.scheduler = scheduler
         self.encoder = encoder
         # hand out `DeferredContext`s (to a drafter that asks for them and takes them)
@@ -194,6 +211,8 @@ class LocalTarget:
         # the first token is the bonus of verifying an empty draft after the prompt's last token
         first = verify(Tree.chain(prompt[-1]), out.logits[-1:], params, self.generator, self.noise,
                        len(prompt) - 1).bonus
+        if self.candidates:
+            return self._step(Verdict([], [], first), top_candidates(prompt[-1:], out.logits[-1:], self.candidates), t0)
         return self._step(Verdict([], [], first), self._context(0, out, slice(None)), t0)
 
     def verify(self, tree: Tree) -> Step:
@@ -208,4 +227,6 @@ class LocalTarget:
         ))
         verdict = verify(tree, out.logits, self.params, self.generator, self.noise, start)
         self.cache.commit(verdict.path)
+        if self.candidates:
+            return self._step(verdict, top_candidates(tree.tokens, out.logits, self.candidates), t0)
         return self._step(verdict, self._context(start, out, verdict.path), t0)

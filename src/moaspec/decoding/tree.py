@@ -223,15 +223,22 @@ class AdaptiveChain:
     The cost of a call is the network's share of it (what the call took beyond the target's own time:
     zero in one process, the round trip to a remote target) plus the target's pass over d x width + 1
     rows (the calibrated cost per row count, scaled to the pass time seen live) plus d draft steps at
-    their live time. So a long round trip makes longer drafts pay. One level is the floor: it keeps
-    acceptance measured and costs the least."""
+    their live time. So a long round trip makes longer drafts pay. Where no length is expected to beat a
+    plain step (1 token for the pass over one row: drafts rarely match, or this weight mode's extra rows
+    are dear), it drafts nothing, trying the best length once every `PROBE_EVERY` calls so that acceptance
+    stays measured and a text that turns repetitive is noticed (`floor=1`: always at least one level)."""
 
-    def __init__(self, verify_ms: dict[int, float], max_depth: int = 8, decay: float = 0.95, width: int = 1):
+    PROBE_EVERY = 8
+
+    def __init__(self, verify_ms: dict[int, float], max_depth: int = 8, decay: float = 0.95, width: int = 1,
+                 floor: int = 0):
         if not 1 <= max_depth <= MAX_DEPTH:
             raise ValueError(f"an adaptive tree drafts 1 to {MAX_DEPTH} levels, got max_depth {max_depth}")
         if not 1 <= width <= MAX_TOPK:
             raise ValueError(f"an adaptive tree's levels are 1 to {MAX_TOPK} wide, got width {width}")
-        self.max_depth, self.decay, self.width = max_depth, decay, width
+        if floor not in (0, 1):
+            raise ValueError(f"an adaptive tree's floor is 0 or 1 levels, got {floor}")
+        self.max_depth, self.decay, self.width, self.floor = max_depth, decay, width, floor
         self.rel = row_cost_ratios(verify_ms, max_depth * width + 1)
         self.reset()
 
@@ -241,6 +248,7 @@ class AdaptiveChain:
         self.step_ms: float | None = None  # one draft step
         self.pass_ms: float | None = None  # one single-row verify pass of the target
         self.net_ms = 0.0  # a call's time beyond the target's pass (the round trip, for a remote target)
+        self.idle = 0  # calls in a row that drafted nothing
 
     def choose(self) -> int:
         if self.step_ms is None or self.pass_ms is None:
@@ -253,16 +261,26 @@ class AdaptiveChain:
             rate = expected / (self.net_ms + self.pass_ms * self.rel[d * self.width] + d * self.step_ms)
             if rate > best_rate:
                 best, best_rate = d, rate
+        if self.floor == 0 and best_rate < 1.0 / (self.net_ms + self.pass_ms):
+            self.idle += 1
+            if self.idle % self.PROBE_EVERY:
+                return 0
+        else:
+            self.idle = 0
         return best
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
                target_s: float | None = None, rows: int | None = None) -> None:
         """After a call that verified `drafted` levels of draft tokens (`rows` tokens in all; default: a
         chain's) and accepted `accepted` of them in `verify_s`, of which the target's own pass took
-        `target_s` (default: all of it)."""
-        if drafted <= 0:
-            return
+        `target_s` (default: all of it). A call that drafted nothing updates the pass and network times."""
         rows = drafted if rows is None else rows
+        if drafted <= 0:
+            if self.pass_ms is not None:
+                target_s = verify_s if target_s is None else min(target_s, verify_s)
+                self.pass_ms = 0.8 * self.pass_ms + 0.2 * target_s * 1e3
+                self.net_ms = 0.8 * self.net_ms + 0.2 * (verify_s - target_s) * 1e3
+            return
         self.offered = [x * self.decay for x in self.offered]
         self.hits = [x * self.decay for x in self.hits]
         # level j + 1 was looked at; levels past max_depth (a drafter that chose a longer draft) are not tracked

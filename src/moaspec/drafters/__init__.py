@@ -14,10 +14,10 @@ if TYPE_CHECKING:
     from moaspec.drafters.datastore import Datastore
     from moaspec.models.parts import TargetParts
 
-DRAFTERS = ("auto", "none", "lookup", "suffix", "hybrid", "model", "moa", "eagle", "independent")
+DRAFTERS = ("auto", "none", "lookup", "suffix", "recycling", "hybrid", "model", "moa", "eagle", "independent")
 TRAINED = ("moa", "eagle", "independent")  # drafters loaded from a checkpoint folder
 # `hybrid` = the suffix drafter + one of these (its --drafter-path / --draft-model), per `hybrid.POLICIES`
-HYBRID_MODELS = ("model", *TRAINED)
+HYBRID_MODELS = ("model", "recycling", *TRAINED)
 
 # The same-tokenizer draft model a target gets when `--draft-model` is not given. SmolLM2 drafts
 # for itself: useless for speed, but every draft is then accepted at T=0, a sharp engine test.
@@ -86,6 +86,10 @@ def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: 
         from moaspec.drafters.lookup import LookupDrafter
 
         return LookupDrafter()
+    if name == "recycling":
+        from moaspec.drafters.recycling import RecyclingDrafter
+
+        return RecyclingDrafter()
     if name == "suffix":
         from moaspec.drafters.suffix import SuffixDrafter
 

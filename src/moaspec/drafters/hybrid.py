@@ -193,6 +193,7 @@ class HybridDrafter:
             raise UserError(f"unknown hybrid policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.free, self.model, self.policy = free, model, policy
         self.encoder = model.encoder  # the target encodes context for the model drafter only
+        self.candidates = getattr(model, "candidates", 0)  # or reports its top-k (`drafters.recycling`)
         self.calibration = {FREE: _Calibration(), MODEL: _Calibration()}
         self.model_rates = _DepthRates()
         # a verification of one row (its root), as seen between propose and observe, each scaled by what its

@@ -29,6 +29,8 @@ from moaspec.models import quant
 WeightMode = Literal["fp32", "fp16", "int8", "int4", "int4-g64", "int4-g128"]
 WEIGHT_MODES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4", "int4-g64", "int4-g128")
 QUANTISED = ("int8", "int4", "int4-g64", "int4-g128")
+AUTO = "auto"  # the default: the fastest mode at the model's own quality (`runtime.resolve_weights`)
+WEIGHT_CHOICES: tuple[str, ...] = (AUTO, *WEIGHT_MODES)
 log = logging.getLogger(__name__)
 # At 5-8 rows, very tall matrices (an LM head) are multiplied 4 rows at a time: MKL's 5-8 row kernel is
 # slow there (Qwen 0.5B head, 8 rows: 52 ms in one call, 41 ms in two calls of 4).

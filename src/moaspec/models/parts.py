@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from moaspec.errors import UserError
-from moaspec.models.linear import WEIGHT_MODES, WeightMode, runnable_mode
-from moaspec.models.runtime import Layer, ModelConfig, rope_tables
+from moaspec.models.linear import WeightMode, runnable_mode
+from moaspec.models.runtime import Layer, ModelConfig, resolve_weights, rope_tables
 
 
 class TargetParts(Protocol):
@@ -39,12 +39,10 @@ class PartialTarget:
 
     def __init__(self, folder: str | Path, tail: int = 0, weights: WeightMode = "fp32",
                  device: str | torch.device = "cpu", max_seq_len: int = 4096):
-        if weights not in WEIGHT_MODES:
-            raise UserError(f"unknown weight mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
         self.folder = Path(folder)
         self.cfg = cfg = ModelConfig.from_folder(self.folder)
         self.device = torch.device(device)
-        self.weights = runnable_mode(weights, self.device)
+        self.weights = runnable_mode(resolve_weights(weights, self.folder, self.device), self.device)
         self.files = sorted(self.folder.glob("*.safetensors"))
         if not self.files:
             raise UserError(f"no *.safetensors in {self.folder}")

@@ -17,11 +17,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from moaspec.errors import ContextLengthError, UserError
 from moaspec.models import quant
-from moaspec.models.linear import FEW_ROWS, QUANTISED, WEIGHT_MODES, Linear, WeightMode, runnable_mode, tensor_mode
+from moaspec.models.linear import (
+    AUTO,
+    FEW_ROWS,
+    QUANTISED,
+    WEIGHT_CHOICES,
+    Linear,
+    WeightMode,
+    runnable_mode,
+    tensor_mode,
+)
 
 # Prompt rows per pass. Small enough that a prompt beside other sequences in a batched pass holds them up
 # for little more than a decode step; large enough to run near the kernels' prefill speed.
@@ -111,6 +121,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def resolve_weights(mode: str, folder: str | Path, device: str | torch.device = "cpu") -> str:
+    """The weight mode `auto` stands for: the fastest whose answers keep the model's own quality. int4
+    where the model's own weights are 4-bit on int4's grid (a Q4_0/Q4_1 GGUF such as SmolLM2's: int4 holds
+    them bit for bit), else int8 (Qwen 0.5B against fp32: perplexity 4.637 vs 4.644, HumanEval 0.439 vs
+    0.433, where int4 costs 1.8 points); fp16 where the compiled kernels cannot run. Other modes as given."""
+    if mode not in WEIGHT_CHOICES:
+        raise UserError(f"unknown weight mode {mode!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
+    if mode != AUTO:
+        return mode
+    if torch.device(device).type != "cpu" or not quant.available():
+        return "fp16"
+    return "int4" if _native_int4(Path(folder)) else "int8"
+
+
+def _native_int4(folder: Path, rows: int = 64) -> bool:
+    """Whether the model's weights lie on int4's grid: the first rows of its first MLP projection decide."""
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            name = next((k for k in st.keys() if k.endswith("mlp.gate_proj.weight")), None)
+            if name is not None:
+                return quant.on_int4_grid(st.get_slice(name)[:rows].float())
+    return False
 
 
 class Layer:
@@ -302,11 +336,10 @@ class Transformer:
         device: str | torch.device = "cpu",
         max_seq_len: int = 4096,
     ):
-        if weights not in WEIGHT_MODES:
-            raise UserError(f"unknown weight mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
         self.folder = Path(folder)
         self.cfg = cfg = ModelConfig.from_folder(self.folder)
         self.device = torch.device(device)
+        weights = resolve_weights(weights, self.folder, self.device)
         self.weights = weights = runnable_mode(weights, self.device)  # fp16 where int8/int4 cannot run
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
@@ -333,6 +366,7 @@ class Transformer:
         # only where they measure faster and their rows prove independent). fp16 without a compiler keeps
         # fbgemm and SDPA.
         self.kernels = quant.kernels_or_none() if self.device.type == "cpu" and weights != "fp32" else None
+        self.stack = None
         self.few_row_kernels()
         self.stack = self.native_stack()
 
