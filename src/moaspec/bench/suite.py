@@ -14,7 +14,9 @@ Methods:
   model (`bench.llamacpp`; optional, built by `make llama-cpp`);
 - engine drafters `lookup`, `suffix`, `model` (a same-tokenizer draft LM), and the trained `independent`,
   `eagle`, `moa`, `moa-n1`, `moa-n3` loaded from checkpoint folders named so;
-- `hybrid` and `hybrid-merge`: the suffix drafter with the `moa` checkpoint, policies switch and merge.
+- `hybrid` and `hybrid-merge`: the suffix drafter with the `moa` checkpoint, policies switch and merge;
+- `recycling` (Token Recycling: the target's own top-k, training-free) and `hybrid-recycling` (the suffix
+  drafter with it, policy switch).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from moaspec.bench.tasks import Question, load_tasks
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import PAPER_GPU_TREE, TreeConfig, split_min_prob
-from moaspec.drafters import DEFAULT_DRAFT_MODEL, drafter_kind, shipped_checkpoint
+from moaspec.drafters import DEFAULT_DRAFT_MODEL, drafter_kind, resolve_auto, shipped_checkpoint
 from moaspec.errors import UserError
 from moaspec.models.store import MODELS, gguf_file
 from moaspec.pipeline import SpecDecoder
@@ -42,7 +44,8 @@ from moaspec.pipeline import SpecDecoder
 PEERS = ("hf", "hf-assisted", "llama.cpp", "llama.cpp-spec", "llama.cpp-lookup")
 TRAINED_METHODS = ("independent", "eagle", "moa", "moa-n1", "moa-n3")
 HYBRID_METHODS = {"hybrid": "switch", "hybrid-merge": "merge"}  # suffix + the moa checkpoint, by policy
-METHODS = ("plain", *PEERS, "lookup", "suffix", "suffix-nostore", "model", *TRAINED_METHODS, *HYBRID_METHODS)
+METHODS = ("plain", *PEERS, "lookup", "suffix", "suffix-nostore", "recycling", "hybrid-recycling", "model",
+           *TRAINED_METHODS, *HYBRID_METHODS)
 # Candidate trees of the sweep: chains, small CPU trees, and the paper's GPU default for contrast.
 SWEEP_TREES = (TreeConfig(1, 1, 1), TreeConfig(2, 1, 2), TreeConfig(3, 1, 3), TreeConfig(4, 1, 4),
                TreeConfig(5, 1, 5), TreeConfig(3, 2, 4), TreeConfig(4, 2, 6), TreeConfig(4, 4, 6),
@@ -81,6 +84,7 @@ class Method:
     path: str | None = None
     draft_model: str | None = None
     policy: str = "switch"  # of a hybrid drafter
+    hybrid_model: str = "moa"  # the model drafter of a hybrid
     datastore: str | None = None  # of a suffix or hybrid drafter: None = the shipped one, "none" = none
 
 
@@ -93,7 +97,8 @@ def checkpoint_dir(cfg: BenchConfig, method: str) -> Path:
 def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
     """The methods to run (plain first: it is the reference) and notes on the ones left out."""
     notes: list[str] = []
-    names = list(cfg.methods) or ["plain", "hf", "lookup", *TRAINED_METHODS]
+    # by default: the drafter `--drafter auto` runs for this target (the user's default) among the others
+    names = list(cfg.methods) or ["plain", "hf", "lookup", resolve_auto(cfg.model), *TRAINED_METHODS]
     pair = cfg.model in DEFAULT_DRAFT_MODEL and DEFAULT_DRAFT_MODEL[cfg.model] != cfg.model
     if pair and not cfg.methods:
         names[2:2] = ["hf-assisted", "model"]
@@ -139,6 +144,8 @@ def resolve_methods(cfg: BenchConfig) -> tuple[list[Method], list[str]]:
             out.append(Method(n, "model" if n == "model" else n, draft_model=draft))
         elif n == "suffix-nostore":
             out.append(Method(n, "suffix", datastore="none"))
+        elif n == "hybrid-recycling":
+            out.append(Method(n, "hybrid", hybrid_model="recycling"))
         else:
             out.append(Method(n, "none" if n == "plain" else n))
     return out, notes
@@ -178,7 +185,7 @@ class Bench:
                 continue
             tree = (trees or {}).get(m.name) or self._tree()
             self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
-                                 hybrid_policy=m.policy, datastore=m.datastore)
+                                 hybrid_model=m.hybrid_model, hybrid_policy=m.policy, datastore=m.datastore)
             self.engines[m.name] = self.dec.engine
             self.trees[m.name] = self.dec.engine.tree
         self._hf = None
@@ -279,7 +286,7 @@ class Bench:
         for name, m in cands.items():
             for tree in trees:
                 self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
-                                     hybrid_policy=m.policy, datastore=m.datastore)
+                                     hybrid_model=m.hybrid_model, hybrid_policy=m.policy, datastore=m.datastore)
                 if not tree.adaptive or tree.topk == 1 or self.dec.drafter.branching:
                     engines[(name, tree)] = self.dec.engine
         plain = Method("plain")
