@@ -250,3 +250,45 @@ def test_greedy_speculative_equals_greedy_plain_in_each_mode(mode):
         for drafter in ("lookup", "moa", "eagle"):
             dec.set_drafter(drafter, tree=TreeConfig(4, 2, 6))
             assert dec.generate(prompt, cfg).token_ids == plain, (mode, drafter, prompt)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_one_call_stack_equals_the_layer_by_layer_path(smol_folder, mode):
+    """The compiled `Stack` (every decoder layer of a one-sequence pass in one call) gives the bits of the
+    layer-by-layer path: logits, returned hidden states and the K/V written, for a prefill chunk, a decode
+    step and a tree pass with scattered positions."""
+    m = Transformer(smol_folder, mode, max_seq_len=256)
+    assert m.stack is not None
+    toks = torch.randint(100, 5000, (40,), generator=torch.Generator().manual_seed(3))
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    runs = {}
+    stack = m.stack
+    for name, s in (("stack", stack), ("layers", None)):
+        m.stack = s
+        m.reset()
+        a = m.forward(toks[:30], hidden_layers=(0, 3, m.cfg.num_layers))
+        m.advance(30)
+        b = m.forward(toks[30:31])
+        m.advance(1)
+        c = m.forward(toks[31:35], tree_mask=mask, positions=torch.tensor([31, 32, 32, 33]))
+        runs[name] = [a.logits, *a.hidden.values(), b.logits, c.logits, m.cache.k[:, :, :35].clone(),
+                      m.cache.v[:, :, :35].clone()]
+    m.stack = stack
+    for x, y in zip(runs["stack"], runs["layers"], strict=True):
+        assert torch.equal(x, y)
+
+
+def test_auto_weights_take_the_fastest_mode_at_the_models_own_quality(smol_folder, tmp_path):
+    """SmolLM2 ships in 4 bits (a Q4_1 GGUF): `auto` runs it in int4, which holds those weights exactly; a
+    model whose weights are not on int4's grid gets int8; a bad mode is refused with the choices."""
+    from safetensors.torch import save_file
+
+    from moaspec.models.runtime import resolve_weights
+
+    assert resolve_weights("auto", smol_folder) == "int4"
+    save_file({"model.layers.0.mlp.gate_proj.weight": torch.randn(64, 128)}, str(tmp_path / "model.safetensors"))
+    assert resolve_weights("auto", tmp_path) == "int8"
+    assert resolve_weights("fp32", tmp_path) == "fp32"
+    assert resolve_weights("auto", tmp_path, "meta") == "fp16"  # no CPU kernels on an accelerator
+    with pytest.raises(UserError, match="auto, fp32"):
+        resolve_weights("int3", tmp_path)

@@ -322,7 +322,7 @@ def _serve_process(port: int, token_file) -> subprocess.Popen:
     """`moaspec serve-target` as its own process; returns once it answers /health."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "moaspec", "serve-target", "--model", SMOL, "--port", str(port),
-                             "--token-file", str(token_file)], env=env, stdout=subprocess.DEVNULL,
+                             "--weights", "fp32", "--token-file", str(token_file)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline:
