@@ -9,9 +9,9 @@ import pytest
 from moaspec.bench import report
 from moaspec.bench.answers import answer_path
 from moaspec.bench.suite import Bench, BenchConfig, resolve_methods, run
-from moaspec.bench.tasks import load_tasks
 from moaspec.decoding.tree import TreeConfig
 from moaspec.errors import UserError
+from moaspec.tasks import load_tasks
 
 SMOL = "smollm2-135m"
 

@@ -7,9 +7,9 @@ import random
 import pytest
 from conftest import DATA_DIRS, SMOL, data_dir_params
 
-from moaspec.bench import tasks as bench
-from moaspec.bench.tasks import TASKS, Question, check_clean, load_tasks
+from moaspec import tasks as bench
 from moaspec.errors import UserError
+from moaspec.tasks import TASKS, Question, check_clean, load_tasks
 from moaspec.training import prompts as training
 from moaspec.training.data import texts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moaspec.bench import llamacpp
+from moaspec import llamacpp
 from moaspec.bench.suite import BenchConfig, resolve_methods
 from moaspec.errors import UserError
 

@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 from moaspec.bench.answers import answer_path, read_answers
-from moaspec.bench.tasks import load_tasks
 from moaspec.errors import UserError
 from moaspec.models.store import chat_ids, load_tokenizer, resolve
+from moaspec.tasks import load_tasks
 from moaspec.training.train import Example, TrainConfig, Trainer, run_config
 
 

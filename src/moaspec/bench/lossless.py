@@ -17,12 +17,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from moaspec.bench.tasks import TASKS, load_tasks
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
 from moaspec.decoding.tree import TreeConfig
 from moaspec.pipeline import SpecDecoder
+from moaspec.tasks import TASKS, load_tasks
 from moaspec.threads import one_thread
 
 TREES = ("adaptive:4", "3,2,6", "4,1,4", "adaptive:3x2")

@@ -43,13 +43,13 @@ from pathlib import Path
 
 import torch
 
-from moaspec.bench.tasks import load_tasks
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import TreeConfig
 from moaspec.errors import UserError
 from moaspec.serving.shaping import PROFILES, ShapingProxy
+from moaspec.tasks import load_tasks
 
 DEFAULT_PROFILES = ("lan", "wifi", "5g", "4g", "satellite")
 CS_METHODS = ("moa", "eagle", "independent", "lookup")

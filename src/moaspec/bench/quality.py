@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moaspec.bench import llamacpp
-from moaspec.bench.tasks import _package_dir, humaneval, load_tasks
+from moaspec import llamacpp
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.models.store import gguf_file, load_tokenizer, resolve
 from moaspec.pipeline import SpecDecoder
+from moaspec.tasks import _package_dir, humaneval, load_tasks
 
 STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 LLAMA = "llama.cpp"

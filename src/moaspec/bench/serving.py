@@ -29,10 +29,10 @@ from pathlib import Path
 
 import httpx
 
-from moaspec.bench import llamacpp
-from moaspec.bench.tasks import load_tasks
+from moaspec import llamacpp
 from moaspec.errors import UserError
 from moaspec.models.store import gguf_file
+from moaspec.tasks import load_tasks
 
 
 @dataclass

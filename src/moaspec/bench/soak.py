@@ -32,11 +32,11 @@ import httpx
 import psutil
 
 from moaspec.bench.network import _free_port
-from moaspec.bench.tasks import TASKS, load_tasks
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.target import TargetUnavailable
 from moaspec.errors import UserError
 from moaspec.serving.shaping import ShapingProxy
+from moaspec.tasks import TASKS, load_tasks
 
 TOKEN = "moaspec-soak"
 

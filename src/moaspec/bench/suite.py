@@ -11,7 +11,7 @@ Methods:
   `hf-assisted`: transformers assisted generation with the target's default draft model;
   `llama.cpp`, `llama.cpp-spec` and `llama.cpp-lookup`: llama.cpp on the shipped GGUF, plain, with its
   prompt-lookup decoding (`llama-lookup`), and with the default draft
-  model (`bench.llamacpp`; optional, built by `make llama-cpp`);
+  model (`moaspec.llamacpp`; optional, built by `make llama-cpp`);
 - engine drafters `lookup`, `suffix`, `model` (a same-tokenizer draft LM), and the trained `independent`,
   `eagle`, `moa`, `moa-n1`, `moa-n3` loaded from checkpoint folders named so;
 - `hybrid` and `hybrid-merge`: the suffix drafter with the `moa` checkpoint, policies switch and merge;
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moaspec.bench import llamacpp, report
+from moaspec import llamacpp
+from moaspec.bench import report
 from moaspec.bench.answers import answer_path, read_answers
-from moaspec.bench.tasks import Question, load_tasks
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import PAPER_GPU_TREE, TreeConfig, split_min_prob
@@ -40,6 +40,7 @@ from moaspec.drafters import DEFAULT_DRAFT_MODEL, drafter_kind, resolve_auto, sh
 from moaspec.errors import UserError
 from moaspec.models.store import MODELS, gguf_file
 from moaspec.pipeline import SpecDecoder
+from moaspec.tasks import Question, load_tasks
 
 PEERS = ("hf", "hf-assisted", "llama.cpp", "llama.cpp-spec", "llama.cpp-lookup")
 TRAINED_METHODS = ("independent", "eagle", "moa", "moa-n1", "moa-n3")

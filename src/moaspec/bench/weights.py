@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from moaspec.bench import llamacpp
+from moaspec import llamacpp
 from moaspec.bench.runtime import PROMPTS, greedy, scoring_cost
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import gguf_file, load_tokenizer, resolve

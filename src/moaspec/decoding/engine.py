@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from moaspec.decoding.drafter import Drafter
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.target import TargetSide, TargetUnavailable
 from moaspec.decoding.tree import AdaptiveChain, DraftSampling, Tree, TreeConfig
-from moaspec.drafters.base import Drafter
 from moaspec.errors import ContextLengthError, UserError
 
 DRAFT_STREAM = 1  # SamplingParams.generator stream of the drafts' seeds

@@ -1,4 +1,4 @@
-"""Drafters, one file each, all against `drafters.base.Drafter`."""
+"""Drafters, one file each, all against `decoding.drafter.Drafter`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from moaspec.errors import UserError
 
 if TYPE_CHECKING:
-    from moaspec.drafters.base import Drafter
+    from moaspec.decoding.drafter import Drafter
     from moaspec.drafters.datastore import Datastore
     from moaspec.models.parts import TargetParts
 

@@ -23,12 +23,12 @@ import zipfile
 import zlib
 from array import array
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from moaspec.decoding.tree import TreeConfig
-from moaspec.drafters.suffix import SuffixDraft
 from moaspec.errors import UserError
 
 SEP = 0xFFFFFFFF  # between answers: never a token, so no match or continuation crosses it
@@ -45,6 +45,22 @@ def suffix_array(tokens: np.ndarray, width: int) -> np.ndarray:
     keys = [padded[j:j + n] for j in reversed(range(width))]  # views; np.lexsort's last key sorts first
     order = np.lexsort(keys)
     return order[tokens[order] != SEP].astype(np.int32)
+
+
+@dataclass
+class SuffixDraft:
+    """A draft of the suffix drafter or its datastore, with each node's empirical path probability."""
+
+    tokens: list[int]
+    parents: list[int]  # index into tokens, -1 for a child of the root
+    probs: list[float]  # empirical probability of the path to each node, in (0, 1], falling along a path
+    match_len: int = 0
+    source: str = "text"  # what it continues: the current "text", the "history" of outputs, or the "store"
+
+    @property
+    def score(self) -> float:
+        """Expected accepted length if the probabilities were exact: the sum of the path probabilities."""
+        return sum(self.probs)
 
 
 class Datastore:

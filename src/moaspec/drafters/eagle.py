@@ -136,7 +136,7 @@ class FeatureEncoder:
 
 
 class EagleDrafter(TargetBoundDrafter):
-    """The drafting side of EAGLE-2; implements `drafters.base.Drafter`.
+    """The drafting side of EAGLE-2; implements `decoding.drafter.Drafter`.
 
     Parameters (trainable): `fc` (2D -> D, bias), `layer` (one DecoderLayer); buffer `vocab_ids`.
     The target's embedding and LM head are shared by `attach`/`from_target`.

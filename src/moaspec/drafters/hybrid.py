@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from moaspec.decoding.drafter import Drafter
 from moaspec.decoding.tree import DraftDist, Tree, TreeConfig, row_cost_ratios
-from moaspec.drafters.base import Drafter
 from moaspec.errors import UserError
 
 POLICIES = ("switch", "merge")  # per round the suffix draft or the model's, or both in one tree

@@ -85,7 +85,7 @@ class IndependentConfig(TargetBoundConfig):
 
 
 class IndependentDrafter(TargetBoundDrafter):
-    """A small LM on the target's frozen embedding and LM head; implements `drafters.base.Drafter`.
+    """A small LM on the target's frozen embedding and LM head; implements `decoding.drafter.Drafter`.
 
     Parameters (trainable): `layers` (num_layers DecoderLayers), `norm` (final RMSNorm); buffer `vocab_ids`.
     """

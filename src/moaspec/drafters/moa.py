@@ -295,7 +295,7 @@ class TrainOut:
 
 
 class MoADrafter(TargetBoundDrafter):
-    """The drafting side of MoA; implements `drafters.base.Drafter`.
+    """The drafting side of MoA; implements `decoding.drafter.Drafter`.
 
     Parameters (trainable): `sa`, `ca`, `encoder.lsa`, `encoder.proj`; buffer `vocab_ids` (kept target
     token ids of the trimmed head). Frozen target parts (embedding, LM head, final norm, last N layers)

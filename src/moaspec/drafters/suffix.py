@@ -23,14 +23,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moaspec.decoding.tree import Tree, TreeConfig
+from moaspec.drafters.datastore import Datastore, SuffixDraft
 from moaspec.errors import UserError
-
-if TYPE_CHECKING:
-    from moaspec.drafters.datastore import Datastore
 
 
 class _Node:
@@ -152,20 +149,6 @@ class SuffixIndex:
                     break
                 out.append((node, k + 1))
         return out
-
-
-@dataclass
-class SuffixDraft:
-    tokens: list[int]
-    parents: list[int]  # index into tokens, -1 for a child of the root
-    probs: list[float]  # empirical probability of the path to each node, in (0, 1], falling along a path
-    match_len: int = 0
-    source: str = "text"  # what it continues: the current "text", the "history" of outputs, or the "store"
-
-    @property
-    def score(self) -> float:
-        """Expected accepted length if the probabilities were exact: the sum of the path probabilities."""
-        return sum(self.probs)
 
 
 def draft_from(match: Match, max_depth: int, topk: int, total: int, min_prob: float) -> SuffixDraft:

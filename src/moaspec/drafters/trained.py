@@ -4,7 +4,7 @@
   dimensions) and keeps K = `vocab_ids` rows of its LM head (0 = the full vocabulary).
 - `TargetBoundDrafter`: the module side: the target's frozen embedding and (trimmed) LM head shared by
   `attach`, the `vocab_ids` buffer, the state dict of trainable weights, and the begin/observe plumbing
-  of the `drafters.base.Drafter` protocol.
+  of the `decoding.drafter.Drafter` protocol.
 - Checkpoints: `save_checkpoint`/`read_checkpoint_config`/`load_checkpoint` by `kind` (config.json +
   model.safetensors, trainable weights and vocab ids only).
 - Drafting masks over the drafter's own KV caches: `causal_mask`, `pending_mask` (the rows committed

@@ -1,13 +1,14 @@
-// Weight-only int8 / int4 linear layers for x86 CPUs with AVX2 (AVX-VNNI used where present).
+// Weight-only int8 / int4 linear layers for x86 CPUs with AVX2 (VNNI, and 512-bit registers, where present).
 //
 // y = x @ W.T (+ b) for x [R, K] float32. The activations are quantised on the fly to int8 in blocks of
 // 32 values, one float scale per block (outliers stay local to their block), and every weight block
-// is multiplied with integer dot products, so each weight byte is read once for all R rows.
+// is multiplied with integer dot products, so each weight byte is read once for up to 8 rows.
 //   int8: W = q * s[n]            q int8 in [-127, 127], one scale per output channel
-//   int4: W = q * s[n, g] + m[n, g]  q in [0, 15], scale and offset (fp16) per group of G inputs;
-//         32 values a block, byte j of a block holds value j (low nibble) and value j + 16 (high).
+//   int4: W = q * s[n, g] + m[n, g]  q in [0, 15], scale and offset (fp16) per group of G inputs
+// The weights lie interleaved by output channel (see `Lanes` below and quant.interleave_int8/int4).
 // The offset term needs only the activations' block sums: sum_b dx_b * sum(qx_b) per group.
-// Also: fp16 weights for a few rows (`linear_f16`), and attention whose rows do not depend on each other.
+// Also: fp16 weights for a few rows (`linear_f16`), attention whose rows do not depend on each other,
+// and every decoder layer of a quantised pass in one call (`Stack`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -800,30 +801,31 @@ class Stack {
 int64_t channels() { return NCH; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the compute functions let go of the GIL: a server's other threads run while a pass computes
   m.def("channels", &channels, "output channels the integer kernels interleave (quant.interleave_int8/int4)");
   m.doc() = "weight-only int8/int4 linear layers with block-quantised activations, few-row fp16 layers (AVX2)";
-  m.def("linear_q8", &linear_q8, "y = x @ (q * s).T + b", py::arg("x"), py::arg("qw"), py::arg("scale"),
+  m.def("linear_q8", &linear_q8, py::call_guard<py::gil_scoped_release>(), "y = x @ (q * s).T + b", py::arg("x"), py::arg("qw"), py::arg("scale"),
         py::arg("bias") = py::none());
-  m.def("linear_f16", &linear_f16, "y = x @ w.T + b, fp16 weights, fp32 sums", py::arg("x"), py::arg("w"),
+  m.def("linear_f16", &linear_f16, py::call_guard<py::gil_scoped_release>(), "y = x @ w.T + b, fp16 weights, fp32 sums", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
   m.def("norm_linear_rope_f16", &norm_linear_rope_f16, "RoPE(rms_norm(x) @ w.T) on the first rope_cols columns",
         py::arg("x"), py::arg("ln"), py::arg("eps"), py::arg("w"), py::arg("cos"), py::arg("sin_signed"),
         py::arg("rope_cols"));
   m.def("block_tail_f16", &block_tail_f16, "y = x + att @ o.T; y + down(silu(g) * u), [g|u] = rms_norm(y) @ gate_up.T",
         py::arg("x"), py::arg("att"), py::arg("o"), py::arg("ln2"), py::arg("eps"), py::arg("gate_up"), py::arg("down"));
-  m.def("attention", &attention, "row-invariant attention over the first T cache slots", py::arg("q"),
+  m.def("attention", &attention, py::call_guard<py::gil_scoped_release>(), "row-invariant attention over the first T cache slots", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("T"), py::arg("mask") = py::none(), py::arg("scale"));
-  m.def("rms_norm", &rms_rows, "x * rsqrt(mean(x^2) + eps) * w, row by row", py::arg("x"), py::arg("w"), py::arg("eps"));
+  m.def("rms_norm", &rms_rows, py::call_guard<py::gil_scoped_release>(), "x * rsqrt(mean(x^2) + eps) * w, row by row", py::arg("x"), py::arg("w"), py::arg("eps"));
   m.def("rope_", &rope_, "RoPE in place on the first cols columns of y", py::arg("y"), py::arg("cos"),
         py::arg("sin_signed"), py::arg("cols"));
-  m.def("silu_mul", &silu_mul, "silu(g) * u of [g | u]", py::arg("gate_up"));
+  m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(g) * u of [g | u]", py::arg("gate_up"));
   py::class_<Stack>(m, "Stack")
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t, int64_t,
                     double, double>(),
            py::arg("tensors"), py::arg("groups"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("scale"))
-      .def("forward", &Stack::forward, py::arg("x"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("cos"),
+      .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("cos"),
            py::arg("sin_signed"), py::arg("mask"), py::arg("hidden"));
-  m.def("linear_q4", &linear_q4, "y = x @ (q * s + m).T + b, groups of G inputs", py::arg("x"), py::arg("qw"),
+  m.def("linear_q4", &linear_q4, py::call_guard<py::gil_scoped_release>(), "y = x @ (q * s + m).T + b, groups of G inputs", py::arg("x"), py::arg("qw"),
         py::arg("scale"), py::arg("offset"), py::arg("group"), py::arg("bias") = py::none());
 }

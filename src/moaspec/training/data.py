@@ -490,7 +490,7 @@ def answers(folder: str | Path, model: str, sources: Iterable[str] = ("gen",), c
 
 
 def _llama_server() -> Path | None:
-    from moaspec.bench.llamacpp import bin_dir
+    from moaspec.llamacpp import bin_dir
 
     path = bin_dir() / "llama-server"
     return path if path.is_file() else None

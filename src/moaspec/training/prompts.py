@@ -241,7 +241,7 @@ def _pid(kind: str, text: str) -> str:
 def eval_texts() -> list[str]:
     """Every prompt of the benchmark task sets (MT-Bench both turns, HumanEval, and the math,
     instruction, summarisation and QA sets `moaspec bench` builds)."""
-    from moaspec.bench.tasks import humaneval_prompts, load_tasks, mtbench_turns
+    from moaspec.tasks import humaneval_prompts, load_tasks, mtbench_turns
 
     return [*mtbench_turns(), *humaneval_prompts(), *(t for q in load_tasks() for t in q.turns)]
 

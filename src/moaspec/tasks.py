@@ -103,7 +103,7 @@ def _distinct(task: str, n: int | None, seed: int, make: Callable[[random.Random
     the list for any larger n."""
     n = DEFAULT_N if n is None else n
     rng = random.Random(f"{task}-{seed}")
-    source = f"synthesised by moaspec.bench.tasks ({task}, seed {seed})"
+    source = f"synthesised by moaspec.tasks ({task}, seed {seed})"
     seen: set[str] = set()
     out: list[Question] = []
     misses = 0
