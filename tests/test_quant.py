@@ -213,7 +213,7 @@ def test_a_damaged_build_is_rebuilt(tmp_path):
 
 
 # Stated bounds (KL to fp32, top-1 agreement) on SmolLM2 over 300 tokens of text. Measured on 600 tokens of
-# the README: int8 KL 0.010, top-1 0.92; int4 0.006, 0.93 (the Q4_1 GGUF tensors come back exactly on
+# docs/results.md: int8 KL 0.010, top-1 0.92; int4 0.006, 0.93 (the Q4_1 GGUF tensors come back exactly on
 # int4's grid of 32); int4-g64 0.098, 0.78.
 BOUNDS = {"int8": (0.03, 0.85), "int4": (0.03, 0.85), "int4-g64": (0.3, 0.6)}
 

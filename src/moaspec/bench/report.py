@@ -134,8 +134,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             lines.append(f"| {r['method']} | {t['depth']} | {t['topk']} | {t['total_tokens']} | {r['tau']} | "
                          f"{r['tokens_per_s']} | {r['speedup']}x |")
     lines += ["", "Turns differing from plain must be 0 at T = 0 for this engine's methods (lossless "
-              "verification); for transformers peers they count fp32 near-ties resolved the other way; llama.cpp "
-              "(quantised weights, no token ids reported) is not compared.", ""]
+              "verification); for transformers peers (fp32) they count answers that differ from ours by fp32 "
+              "near-ties resolved the other way or, with our weights quantised, by those weights; llama.cpp "
+              "(its own quantised weights, no token ids reported) is not compared.", ""]
     return "\n".join(lines)
 
 

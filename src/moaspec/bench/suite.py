@@ -353,6 +353,7 @@ def run(cfg: BenchConfig) -> Path:
         bench = Bench(cfg, methods, {k: TreeConfig(**v) for k, v in meta["sweep"]["best"].items()})
     meta["trees"] = {k: asdict(v) for k, v in bench.trees.items()}
     meta["methods"] = [m.name for m in methods]
+    meta["config"]["weights"] = bench.dec.target.weights  # what `auto` resolved to
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
     done = {(m.name, t): read_answers(answer_path(out, m.name, t)) for m in methods for t in cfg.temperatures}

@@ -166,7 +166,7 @@ class Linear:
 
 
 # Like llama.cpp's Q4_K_M, the int4 modes keep the tensors that quantisation hurts most at 8 bits: the
-# attention values, the MLP's down projection and the LM head (Qwen 0.5B: KL to fp32 0.066 -> see README).
+# attention values, the MLP's down projection and the LM head (Qwen 0.5B: KL to fp32 0.066 -> see docs/results.md).
 # The values are fused with q and k into one kernel there, so all three go to 8 bits (4% of a layer).
 INT8_IN_INT4 = ("self_attn.qkv", "mlp.down_proj", "lm_head")
 

@@ -64,7 +64,7 @@ class TrainConfig:
     warmup: int = 30
     clip: float = 1.0
     # verified slots every `every` tokens, drawn per sequence: MoA trains drafting 1..every steps ahead
-    # (the paper's 6-14; 1-4, for this CPU's chains of 1-3 tokens, measured no better: README)
+    # (the paper's 6-14; 1-4, for this CPU's chains of 1-3 tokens, measured no better: docs/training.md)
     every_min: int = 6
     every_max: int = 14
     ce_weight: float = 0.1
