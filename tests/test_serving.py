@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import urllib.request
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -373,8 +372,10 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, dec_none):
             p.wait()
 
 
-def test_generate_text_stays_verified_across_an_outage(served, dec_none):
-    """`SpecDecoder.generate`/`stream` show only verified text: the outage is invisible in the result."""
+def test_streamed_text_stays_verified_across_an_outage(served, dec_none):
+    """`SpecDecoder.stream` puts only verified text in `Delta.text`: the outage is invisible in the result.
+    What the drafter wrote alone meanwhile comes as `pending` pieces, withdrawn (`retract`) by the first
+    verified delta after it, which re-states that text as the target verified or corrected it."""
     server, run = served
     cfg = GenerationConfig(max_new_tokens=48)
     want = dec_none.generate(PROMPT, cfg)
@@ -382,18 +383,25 @@ def test_generate_text_stays_verified_across_an_outage(served, dec_none):
         client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
                              tree="adaptive:4", target_timeout_s=2)
         timer = threading.Timer(1.0, proxy.up)
-        seen: list[str] = []
-
-        def on_text(delta: str) -> None:
-            seen.append(delta)
-            if len(seen) == 3:
+        deltas, shown = [], 0
+        for d in client.stream(PROMPT, cfg):
+            if d.pending:  # shown until the next verified delta, which withdraws every one of them
+                assert not d.text and not d.tokens and d.retract == 0
+                shown += len(d.pending)
+            else:
+                assert d.retract == shown
+                shown = 0
+            deltas.append(d)
+            if len([x for x in deltas if x.text]) == 3 and not timer.is_alive() and not timer.finished.is_set():
                 proxy.down("refuse")
                 timer.start()
-
-        got = client.generate(PROMPT, cfg, on_text=on_text)
         timer.join()
-        assert got.text == want.text and got.token_ids == want.token_ids and "".join(seen) == want.text
-        assert got.metrics.reconnects == 1 and got.metrics.unverified_tokens > 0
+        assert "".join(d.text for d in deltas) == want.text and [t for d in deltas for t in d.tokens] == want.token_ids
+        assert "".join(t for d in deltas for t, _ in d.pieces) == want.text
+        assert any(d.pending for d in deltas) and any(d.retract for d in deltas)
+        assert {o for d in deltas for _, o in d.pieces} <= {"moa", "target"}  # corrected: nothing unverified
+        m = client.engine.metrics
+        assert m.reconnects == 1 and m.unverified_tokens > 0
         client.remote.shutdown()
 
 
@@ -523,12 +531,15 @@ def test_text_the_target_never_verified_is_counted_and_marked(served):
                              tree="adaptive:4", target_timeout_s=2)
         ids = client.encode(PROMPT)
         steps = client.stream(ids, cfg)
-        tokens = list(next(steps)[1])
+        tokens = list(next(steps).tokens)
         proxy.down("blackhole")
-        for _, new, _ in steps:
-            tokens += new
+        last = None
+        for last in steps:
+            tokens += last.tokens
         m = client.engine.metrics
         assert 0 < m.unverified_in_output <= m.unverified_tokens and len(tokens) <= 40
-        usage = OpenAIServer._usage(SimpleNamespace(drafter="moa", dec=client), len(ids), len(tokens), m)
+        # the text the target never verified is labelled so, and no pending piece is left shown
+        assert last.retract > 0 and [o for _, o in last.pieces].count("unverified") == m.unverified_in_output
+        usage = OpenAIServer._usage(None, len(ids), len(tokens), m, {"drafter": "moa", "weights": "fp32"})
         assert usage.unverified_tokens == m.unverified_in_output  # the API writes it into `usage`
         client.remote.shutdown()

@@ -55,8 +55,8 @@ def test_stop_on_token_boundary_drops_the_tokens_after_it(decoders, plain_greedy
     _check(dec, g, before, kept)
     assert _decode(dec, g.token_ids) == g.text
     parts = list(dec.stream(prompt_ids, cfg))
-    assert [t for p in parts for t in p[1]] == kept
-    assert "".join(p[0] for p in parts) == before
+    assert [t for p in parts for t in p.tokens] == kept
+    assert "".join(p.text for p in parts) == before
     assert dec.engine.metrics.new_tokens == len(kept)
 
 
@@ -72,8 +72,8 @@ def test_stop_inside_a_token_keeps_that_token(decoders, plain_greedy, drafter):
     _check(dec, g, before, plain[: start + 1])
     assert _decode(dec, g.token_ids) != g.text  # the kept token runs past the cut
     parts = list(dec.stream(prompt_ids, cfg))
-    assert [t for p in parts for t in p[1]] == g.token_ids
-    assert [p[2] for p in parts][-1] == "stop"
+    assert [t for p in parts for t in p.tokens] == g.token_ids
+    assert [p.finish for p in parts][-1] == "stop"
 
 
 def test_stop_at_the_very_start_keeps_no_tokens(dec_none, plain_greedy):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from moaspec.decoding.engine import Engine, GenerationConfig, Metrics
+from moaspec.decoding.engine import TARGET, Engine, GenerationConfig, Metrics
 from moaspec.decoding.target import ContextEncoder, LocalTarget, TargetSide
 from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig, split_min_prob, tree_for_costs
 from moaspec.drafters import build_drafter
@@ -36,6 +36,8 @@ from moaspec.models.store import (
     weights_fingerprint,
 )
 from moaspec.threads import set_threads
+
+UNVERIFIED = "unverified"  # a `Delta.pieces` origin: written by the drafter alone, never verified
 
 if TYPE_CHECKING:
     from moaspec.decoding.scheduler import Scheduler
@@ -65,6 +67,24 @@ def plausible_costs(costs: dict[int, float], clamp: bool = False) -> dict[int, f
             out[k] = costs[k]
         prev = k
     return out
+
+
+@dataclass
+class Delta:
+    """What one verification round adds to an answer: the verified `text` and its `tokens`, that text cut
+    per token with who wrote it (`pieces`: (text, origin), origin a drafter's name, TARGET, or UNVERIFIED
+    for tokens the target never verified), and the target calls so far (`round`). While a remote target
+    is away, `pending` carries text the drafter wrote alone (not in `text`); the next verified delta
+    withdraws the `retract` pending pieces shown before it, since its own text re-states them as verified,
+    corrected or kept."""
+
+    text: str
+    tokens: list[int]
+    finish: str | None
+    pieces: list[tuple[str, str]]
+    round: int
+    pending: list[str] = field(default_factory=list)
+    retract: int = 0
 
 
 @dataclass
@@ -162,6 +182,19 @@ class SpecDecoder:
             other.cache = self.target.new_cache()
         other.scheduler = scheduler
         other.set_drafter(**self._drafter_args)
+        return other
+
+    def with_weights(self, weights: str) -> SpecDecoder:
+        """This decoder's model in another weight mode (a copy of the weights of its own), with the same
+        drafter: one server answering in several modes. Its forks may share this decoder's scheduler."""
+        if self.remote is not None:
+            raise UserError("a remote target runs in its server's weight mode")
+        other = copy.copy(self)
+        other.target = Transformer(self.folder, weights=weights, device=self.target.device,
+                                   max_seq_len=self.target.max_seq_len)
+        other.cache, other.scheduler = None, None
+        other.set_drafter(**self._drafter_args)
+        other.target.warmup()
         return other
 
     def release(self) -> None:
@@ -270,29 +303,38 @@ class SpecDecoder:
             return chat_ids(self.tokenizer, prompt)
 
     # ---------------------------------------------------------------- generation
-    def stream(
-        self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None = None, chat: bool = True
-    ) -> Iterator[tuple[str, list[int], str | None]]:
-        """Yield (text delta, token ids, finish_reason) per verification round.
+    def stream(self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None = None,
+               chat: bool = True) -> Iterator[Delta]:
+        """Yield what each verification round adds to the answer (`Delta`).
 
-        Only text the target verified is yielded: while a remote target is away, the tokens the drafter
-        writes alone wait here (`Engine.stream` shows them, marked) until the target confirms or corrects
+        Only text the target verified goes into `Delta.text`: while a remote target is away, the tokens the
+        drafter writes alone wait here, shown as `Delta.pending`, until the target confirms or corrects
         them, or keeps them (`resync="keep"`), or the generation ends without it."""
         cfg = cfg or GenerationConfig()
         ids = list(prompt) if _is_ids(prompt) else self.encode(prompt, chat=chat)
         tokens: list[int] = []
+        origins: list[str] = []  # who wrote each of `tokens`
         unverified: list[int] = []
         sent = 0  # tokens yielded so far
         shown = ""
+        pending = ""  # text of the unverified tokens shown so far
+        pieces_shown = 0
         for chunk in self.engine.stream(ids, cfg):
             if chunk.rollback:
                 del unverified[len(unverified) - chunk.rollback:]
             if not chunk.verified:
                 unverified += chunk.tokens
                 if chunk.finish_reason is None:
+                    text = self.decode(tokens + unverified)[len(shown):].rstrip("\ufffd")
+                    if text.startswith(pending) and len(text) > len(pending):
+                        pieces_shown += 1
+                        yield Delta("", [], None, [], self.engine.metrics.target_calls,
+                                    pending=[text[len(pending):]])
+                        pending = text
                     continue
             if not chunk.verified:  # the end came before the target did: the text ends unverified
                 self.engine.metrics.unverified_in_output = len(unverified)
+            origins += [UNVERIFIED] * len(unverified) + (chunk.origins if chunk.verified else [])
             tokens += unverified + (chunk.tokens if chunk.verified else [])
             unverified = []
             text = self.decode(tokens)
@@ -314,10 +356,25 @@ class SpecDecoder:
             keep = self._reaching(tokens, visible, sent) if hits or hold else len(tokens)
             if finish is not None:
                 self.engine.metrics.new_tokens = keep
-            yield visible[len(shown):], tokens[sent:keep], finish
-            sent, shown = keep, visible
+            pieces = self._pieces(tokens, origins, sent, keep, shown, visible)
+            yield Delta(visible[len(shown):], tokens[sent:keep], finish, pieces, self.engine.metrics.target_calls,
+                        retract=pieces_shown)
+            sent, shown, pending, pieces_shown = keep, visible, "", 0
             if finish is not None:
                 return
+
+    def _pieces(self, tokens: list[int], origins: list[str], lo: int, hi: int, shown: str,
+                visible: str) -> list[tuple[str, str]]:
+        """visible[len(shown):] cut per token of tokens[lo:hi], each with its origin: a token's piece ends
+        where the text of the tokens up to it ends (less an incomplete character, which goes to the next)."""
+        start, end = len(shown), len(visible)
+        if hi <= lo:
+            return [(visible[start:], origins[lo - 1] if lo else TARGET)] if end > start else []
+        cuts = [start]
+        for k in range(lo + 1, hi):
+            cuts.append(min(end, max(cuts[-1], len(self.decode(tokens[:k]).rstrip("\ufffd")))))
+        cuts.append(end)
+        return [(visible[a:b], origins[k]) for k, a, b in zip(range(lo, hi), cuts[:-1], cuts[1:], strict=True)]
 
     def decode(self, tokens: list[int]) -> str:
         with self.tokenizer_lock:
@@ -342,12 +399,12 @@ class SpecDecoder:
         parts: list[str] = []
         tokens: list[int] = []
         finish = "length"
-        for delta, new, reason in self.stream(ids, cfg):
-            if on_text is not None and delta:
-                on_text(delta)
-            parts.append(delta)
-            tokens += new
-            finish = reason or finish
+        for d in self.stream(ids, cfg):
+            if on_text is not None and d.text:
+                on_text(d.text)
+            parts.append(d.text)
+            tokens += d.tokens
+            finish = d.finish or finish
         return Generation("".join(parts), tokens, ids, finish, self.engine.metrics)
 
     def record(self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None,

@@ -105,6 +105,12 @@ class Chunk:
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running
     verified: bool = True  # False: written by the drafter alone while the target was away
     rollback: int = 0  # drop this many earlier unverified tokens before appending `tokens` (a correction)
+    # per token, who wrote it: the drafter whose draft the target accepted (its name, or a hybrid's part),
+    # or TARGET for the target's own token (the first of a generation, and each round's bonus)
+    origins: list[str] = field(default_factory=list)
+
+
+TARGET = "target"
 
 
 class Engine:
@@ -155,6 +161,7 @@ class Engine:
         drafts = cfg.sampling.generator(DRAFT_STREAM) if cfg.sampled_drafts and not cfg.sampling.greedy else None
         self._drafts, self._t0 = drafts, t0
         new = step.verdict.new_tokens
+        origins = [TARGET] * len(new)
         root = new[-1]
         out: list[int] = []  # verified new tokens so far
         rollback = 0
@@ -165,12 +172,13 @@ class Engine:
                 n = min(room, len(new) if cut is None else cut)
                 m.new_tokens += n
                 m.total_s = time.perf_counter() - t0
-                yield Chunk(new[:n], "stop" if cut is not None and cut < room else "length", rollback=rollback)
+                yield Chunk(new[:n], "stop" if cut is not None and cut < room else "length", rollback=rollback,
+                            origins=origins[:n])
                 return
             m.new_tokens += len(new)
             m.total_s = time.perf_counter() - t0
             out += new
-            yield Chunk(new, rollback=rollback)
+            yield Chunk(new, rollback=rollback, origins=origins)
             rollback = 0
 
             t1 = time.perf_counter()
@@ -184,7 +192,7 @@ class Engine:
                 resumed = yield from self._offline(prompt, out, root, cfg, eos)
                 if resumed is None:
                     return
-                new, length, rollback = resumed
+                new, origins, length, rollback = resumed
                 root = new[-1]
                 continue
             t3 = time.perf_counter()
@@ -200,6 +208,8 @@ class Engine:
             m.accept_lengths.append(len(v.accepted) + 1)
             m.drafted_tokens += len(tree) - 1
             new = v.new_tokens
+            origins = [tree.origins.get(i, self.drafter.name) for i in v.path[1:]] + [TARGET] \
+                if self.drafter is not None else [TARGET]
             root = v.bonus
 
     def _draft_sampling(self, cfg: GenerationConfig, root_index: int) -> DraftSampling | None:
@@ -216,7 +226,7 @@ class Engine:
         """The target stopped answering after `out` (its last token `root` verified but not yet in the
         target's cache). Draft alone, one token at a time, marked unverified, while the target reconnects
         in the background; once it is back, re-verify (`_resync`). Returns what the main loop goes on
-        with, (new tokens, cache length, rollback), or None if the generation ended unverified."""
+        with, (new tokens, their origins, cache length, rollback), or None if the generation ended unverified."""
         m = self.metrics
         unverified: list[int] = []
         alone = self.drafter is not None
@@ -239,7 +249,7 @@ class Engine:
                         unverified.append(root)
                         m.unverified_tokens += 1
                         m.total_s = time.perf_counter() - self._t0
-                        yield Chunk([root], verified=False)
+                        yield Chunk([root], verified=False, origins=[self.drafter.name])
                         continue
                     alone = False  # a drafter that needs the target's state (or found nothing): wait
                 waited_from = waited_from or time.perf_counter()
@@ -257,7 +267,7 @@ class Engine:
                 alone = False  # the drafter's state went with the failed session: wait for the next one
 
     def _resync(self, prompt: list[int], out: list[int], unverified: list[int],
-                cfg: GenerationConfig) -> tuple[list[int], int, int]:
+                cfg: GenerationConfig) -> tuple[list[int], list[str], int, int]:
         """A new session from the verified text; then each unverified token is verified as a draft (chains
         of RESYNC_CHAIN), which keeps the output exact: the first one the target rejects, and all after
         it, are replaced by the target's own token ("correct"); or the unverified tokens are kept as
@@ -273,7 +283,7 @@ class Engine:
         if keep:
             out += unverified
             m.new_tokens += len(unverified)
-            return step.verdict.new_tokens, step.length, 0
+            return step.verdict.new_tokens, [TARGET], step.length, 0
         bonus, i = step.verdict.bonus, 0
         while i < len(unverified) and bonus == unverified[i]:
             tree = Tree.chain(unverified[i], unverified[i + 1:i + RESYNC_CHAIN])
@@ -283,7 +293,8 @@ class Engine:
             i += 1 + len(step.verdict.accepted)
             bonus = step.verdict.bonus
         m.corrected_tokens += len(unverified) - i
-        return unverified[:i] + [bonus], step.length, len(unverified)
+        drafter = self.drafter.name if self.drafter is not None else TARGET
+        return unverified[:i] + [bonus], [drafter] * i + [TARGET], step.length, len(unverified)
 
     def _propose(self, root: int, remaining: int, length: int, sampling: DraftSampling | None) -> Tree:
         # A draft deeper than the tokens still wanted, or than the cache holds (`length` committed), is

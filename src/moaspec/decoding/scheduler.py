@@ -53,12 +53,15 @@ class SchedulerStats:
 class _Item:
     rows: Rows
     owner: object
+    model: Transformer
     future: Future = field(default_factory=Future)
     queued_at_pass: int = 0
 
 
 class Scheduler:
-    """Runs the forward passes of every sequence of one model in one thread, batched."""
+    """Runs the forward passes of every sequence of one model in one thread, batched. Sequences of another
+    model over the same process (the same weights in another mode) may submit theirs too (`run(model=)`):
+    a pass then stacks the items of the first model waiting, and the others wait their turn in order."""
 
     def __init__(self, model: Transformer, max_rows: int = 256, gather_ms: float = 5.0, own_thread: bool = True):
         """`own_thread`: run the passes on a thread of its own (started here), else on the thread that calls
@@ -94,15 +97,16 @@ class Scheduler:
         """Whether passes really stack sequences (else they run one after another inside a pass)."""
         return self.model.batch_invariant()
 
-    def run(self, rows: Rows, owner: object) -> ForwardOut:
-        """The outputs of `rows` (one sequence's, `owner` its session), from the next pass that has room."""
-        return self.submit(rows, owner).result()
+    def run(self, rows: Rows, owner: object, model: Transformer | None = None) -> ForwardOut:
+        """The outputs of `rows` (one sequence's, `owner` its session; `model` if not the scheduler's own),
+        from the next pass that has room."""
+        return self.submit(rows, owner, model).result()
 
-    def submit(self, rows: Rows, owner: object) -> Future:
+    def submit(self, rows: Rows, owner: object, model: Transformer | None = None) -> Future:
         rows.cache.check_room(rows.n)  # here, not in the pass: one sequence's overflow must not fail a batch
         if rows.n > self.max_rows:
             raise UserError(f"{rows.n} rows in one pass; this scheduler runs at most {self.max_rows}")
-        item = _Item(rows, owner)
+        item = _Item(rows, owner, model or self.model)
         with self._cond:
             if self._closed:
                 raise UserError("the scheduler is shut down")
@@ -144,11 +148,16 @@ class Scheduler:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            batch, rows = [], 0
+            model = self._queue[0].model
+            batch, rows, later = [], 0, []
             while self._queue and (not batch or rows + self._queue[0].rows.n <= self.max_rows):
                 item = self._queue.popleft()
+                if item.model is not model:
+                    later.append(item)
+                    continue
                 batch.append(item)
                 rows += item.rows.n
+            self._queue.extendleft(reversed(later))
             return batch
 
     def run_forever(self) -> None:
@@ -166,8 +175,9 @@ class Scheduler:
         if not batch:
             return True
         t = time.perf_counter()
+        model = batch[0].model
         try:
-            outs = self.model.forward_batch([item.rows for item in batch])
+            outs = model.forward_batch([item.rows for item in batch])
         except Exception:  # one sequence's bad rows must not fail the others: run each alone
             outs = None
         for i, item in enumerate(batch):
@@ -175,7 +185,7 @@ class Scheduler:
                 item.future.set_result(outs[i])
                 continue
             try:
-                item.future.set_result(self.model.forward_batch([item.rows])[0])
+                item.future.set_result(model.forward_batch([item.rows])[0])
             except Exception as e:
                 item.future.set_exception(e)
         s = self.stats

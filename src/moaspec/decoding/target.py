@@ -178,7 +178,7 @@ class LocalTarget:
 
     def _pass(self, rows: Rows) -> ForwardOut:
         if self.scheduler is not None:
-            return self.scheduler.run(rows, self)
+            return self.scheduler.run(rows, self, self.model)
         return self.model.forward_batch([rows])[0]
 
     def _context(self, first_slot: int, out: ForwardOut, rows: list[int] | slice) -> Context | None:

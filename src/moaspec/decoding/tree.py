@@ -317,6 +317,9 @@ class Tree:
     parents: list[int]
     scores: list[float] = field(default_factory=list)  # cumulative draft log-prob (of q when sampled); root 0
     dists: dict[int, DraftDist] = field(default_factory=dict)
+    # node -> the drafter that proposed it, where that is not the drafter that returned the tree (a hybrid's
+    # parts): what a client shows of each accepted token
+    origins: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.scores:

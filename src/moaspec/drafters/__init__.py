@@ -49,6 +49,13 @@ def resolve_auto(model: str) -> str:
     return "suffix"
 
 
+def ready_drafters(model: str) -> list[str]:
+    """The drafters that run for target `model` with nothing more given: the training-free ones, and the
+    trained ones whose checkpoint ships for it (the hybrid pairs the suffix drafter with its MoA)."""
+    trained = [k for k in TRAINED if shipped_checkpoint(k, model).exists()]
+    return ["none", "lookup", "suffix", "recycling", *trained, *(["hybrid"] if "moa" in trained else [])]
+
+
 @lru_cache(maxsize=4)
 def load_datastore(model: str, datastore: str | None = None) -> Datastore | None:
     """The suffix drafter's datastore (`drafters.datastore`): the one shipped for the target when

@@ -147,9 +147,11 @@ class _Draft:
                       [self.raw[i] for i in pick], [self.prob[i] for i in pick], [self.depths[i] for i in pick],
                       {index[i]: q for i, q in self.dists.items() if i in index})
 
-    def tree(self) -> Tree:
+    def tree(self, names: dict[str, str]) -> Tree:
+        """The draft as a tree, each node's origin the `names` of its sources ("suffix+moa" when both)."""
+        origins = {i: "+".join(names[s] for s in (FREE, MODEL) if s in raw) for i, raw in enumerate(self.raw) if raw}
         return Tree(list(self.tokens), list(self.parents), [math.log(max(p, 1e-30)) for p in self.prob],
-                    dict(self.dists))
+                    dict(self.dists), origins)
 
 
 def merge_drafts(model: _Draft, free: _Draft) -> _Draft:
@@ -253,7 +255,7 @@ class HybridDrafter:
         self._last = draft
         self.rounds[_label(draft)] += 1
         self._proposed_at = time.perf_counter()
-        return draft.tree()
+        return draft.tree({FREE: self.free.name, MODEL: self.model.name})
 
     # ------------------------------------------------------------------ choices
     def _explore(self) -> bool:

@@ -125,10 +125,12 @@ def responses(ok: type[BaseModel] | None, stream: bool = False) -> dict[int | st
     return out
 
 
-def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], model_name: str, max_tokens: int) -> None:
+def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], model_name: str, max_tokens: int,
+                    offers: dict[str, list[str]] | None = None) -> None:
     """Generate `app`'s OpenAPI document once, with `bodies` ({path: request model}) as the request bodies
     of those POST routes (the handlers parse the body themselves, to bound its size and answer errors in
-    OpenAI's shape), "model" narrowed to the served name and max_tokens to this server's bound."""
+    OpenAI's shape), "model" narrowed to the served name, max_tokens to this server's bound, and each field
+    of `offers` ({field: values}) to the values this server takes."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -142,6 +144,8 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], model_name
             props["model"] = {"type": "string", "enum": [model_name]}
             for name in ("max_tokens", "max_completion_tokens"):
                 props[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_tokens}, {"type": "null"}]}
+            for name, values in (offers or {}).items():
+                props[name] = {"anyOf": [{"type": "string", "enum": values}, {"type": "null"}]}
             schemas[model.__name__] = schema
             doc["paths"][path]["post"]["requestBody"] = {
                 "required": True, "content": {"application/json": {"schema": {

@@ -37,17 +37,20 @@ import hmac
 import ipaddress
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import anyio
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -55,7 +58,9 @@ from moaspec.decoding.engine import GenerationConfig, Metrics
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
 from moaspec.decoding.tree import MAX_TREE_TOKENS
+from moaspec.drafters import ready_drafters
 from moaspec.errors import ContextLengthError, UserError
+from moaspec.models.linear import QUANTISED
 from moaspec.models.runtime import PREFILL_CHUNK
 from moaspec.serving import api_schema as S
 from moaspec.serving.admission import Admission
@@ -65,11 +70,12 @@ from moaspec.serving.runner import in_worker
 from moaspec.serving.runner import serve as run
 
 if TYPE_CHECKING:
-    from moaspec.pipeline import SpecDecoder
+    from moaspec.pipeline import Delta, SpecDecoder
 
 log = logging.getLogger("moaspec.api")
 
 API_KEY_ENV = "MOASPEC_API_KEY"  # the API key when no --api-token-file is given
+EXTENSION = "moaspec"  # the field of each streamed chunk with what speculation did in its round
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 512
 
@@ -174,6 +180,10 @@ class _Request(BaseModel):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # moaspec's own (an OpenAI client never sends them): this answer's drafter and weight mode, among those
+    # GET /v1/moaspec offers (default: the server's)
+    drafter: str | None = None
+    weights: str | None = None
 
     # field -> its values that mean "not used": any other value is a 400
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
@@ -240,12 +250,28 @@ CompletionRequest.model_rebuild()
 
 
 # ------------------------------------------------------------------------------------ the app
+@dataclass(frozen=True)
+class Job:
+    """One checked request: its prompt's token ids, its settings, and the weight mode and drafter it runs on."""
+
+    ids: list[int]
+    cfg: GenerationConfig
+    weights: str
+    drafter: str | None  # None: the server's
+
+
 @dataclass
 class Stats:
     requests: int = 0
     errors: int = 0
     cancelled: int = 0  # generations stopped because the client went away
     completion_tokens: int = 0
+
+
+STATIC = Path(__file__).resolve().parent / "static"  # the chat page at /
+# the page runs only its own scripts (vendored), and talks only to this server
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'",
+                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 
 class OpenAIServer:
@@ -265,7 +291,13 @@ class OpenAIServer:
         self.scheduler = Scheduler(dec.target, lim.max_batch_rows, lim.gather_ms, own_thread=scheduler_thread) \
             if dec.remote is None else None
         self.admission = Admission(lim.kv_memory_mb << 20, lim.max_waiting, max_holders=lim.parallel)
-        self.forks: list[SpecDecoder] = []  # idle decoders, one per generation that ran at once
+        # weight mode -> the decoder over that copy of the weights (loaded when a request first asks for it;
+        # their passes share the one scheduler), and its idle forks, one per generation that ran at once
+        self.weights = dec.target.weights
+        self.variants: dict[str, SpecDecoder] = {self.weights: dec}
+        self.idle: dict[str, list[SpecDecoder]] = {self.weights: []}
+        self._loading = threading.Lock()
+        self.drafters, self.weight_modes = self._offer()
         self.threads = anyio.CapacityLimiter(lim.parallel + 4)
         self.tokens = Rate()
         self.registry = registry(ServerCollector(self.scheduler, self.tokens, self._gauges)) \
@@ -281,12 +313,24 @@ class OpenAIServer:
                 "moaspec_kv_reserved_bytes": ("KV-cache memory reserved by generations", a.used),
                 "moaspec_kv_budget_bytes": ("KV-cache memory for generations", a.budget),
                 "moaspec_sessions": ("decoders held (one per generation that ran at once)",
-                                     len(self.forks) + a.holders)}
+                                     sum(map(len, self.idle.values())) + a.holders)}
+
+    def _offer(self) -> tuple[list[str], list[str]]:
+        """The drafters and weight modes a request may ask for (`drafter`, `weights`): the drafters ready for
+        this target and the server's own; a remote target's mode only, else fp32, fp16 and, with the
+        compiled kernels, int8 and int4."""
+        own = self.drafter or (self.dec.drafter.name if self.dec.drafter is not None else "none")
+        drafters = ready_drafters(self.model_name)
+        modes = ["fp32", "fp16", *(QUANTISED[:2] if self.dec.target.kernels is not None else ())]
+        if self.dec.remote is not None:
+            modes = []
+        return drafters + [own] * (own not in drafters), modes + [self.weights] * (self.weights not in modes)
 
     def close(self) -> None:
-        for fork in self.forks:
-            fork.close()
-        self.forks.clear()
+        for forks in self.idle.values():
+            for fork in forks:
+                fork.close()
+            forks.clear()
         if self.scheduler is not None:
             self.scheduler.close()
 
@@ -332,7 +376,7 @@ class OpenAIServer:
     def _context(self) -> int:
         return self.dec.engine.target.max_seq_len
 
-    def _prepare(self, req: _Request) -> tuple[list[int], GenerationConfig]:
+    def _prepare(self, req: _Request) -> Job:
         """Token ids of the prompt and the generation settings, checked against the limits (runs in the
         worker thread, under the lock: the tokenizer is not shared across threads)."""
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -378,7 +422,14 @@ class OpenAIServer:
                                       top_p=1.0 if req.top_p is None else req.top_p, seed=seed)
         except UserError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
-        return ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops)
+        if req.drafter is not None and req.drafter not in self.drafters:
+            raise ApiError(400, f"drafter {req.drafter!r} is not offered here; choose one of "
+                           f"{', '.join(self.drafters)}.", param="drafter", code="invalid_value")
+        if req.weights is not None and req.weights not in self.weight_modes:
+            raise ApiError(400, f"weight mode {req.weights!r} is not offered here; choose one of "
+                           f"{', '.join(self.weight_modes)}.", param="weights", code="invalid_value")
+        return Job(ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops),
+                   req.weights or self.weights, req.drafter)
 
     def _check_text_length(self, req: _Request, param: str) -> None:
         """Refuse, before tokenising it, text that cannot fit: more characters than the longest token has,
@@ -395,7 +446,7 @@ class OpenAIServer:
             raise ApiError(400, f"the prompt has {chars} characters, more than {bound} tokens can hold; this server "
                            f"takes at most {bound} tokens.", param=param, code="context_length_exceeded")
 
-    async def _prepared(self, req: _Request) -> tuple[list[int], GenerationConfig]:
+    async def _prepared(self, req: _Request) -> Job:
         try:
             return await in_worker(self._prepare, req, limiter=self.threads)
         except ApiError:
@@ -404,14 +455,13 @@ class OpenAIServer:
             raise _generation_error(e) from None
 
     # ------------------------------------------------------------ generation
-    async def _rounds(self, request: Request, ids: list[int], cfg: GenerationConfig
-                      ) -> AsyncIterator[tuple[str, list[int], str | None, Metrics | None]]:
-        """(text delta, token ids, finish reason, metrics on the last round) per verification round. The
-        generation runs in a task of its own (`_generate`), so that writing to a slow client never holds it
-        and it always ends and gives its place back, whether this iterator is finished, closed or dropped."""
+    async def _rounds(self, request: Request, job: Job) -> AsyncIterator[tuple[Delta, dict[str, Any], Metrics | None]]:
+        """(delta, live figures, metrics on the last round) per verification round. The generation runs in a
+        task of its own (`_generate`), so that writing to a slow client never holds it and it always ends
+        and gives its place back, whether this iterator is finished, closed or dropped."""
         queue: asyncio.Queue = asyncio.Queue()
         stop = asyncio.Event()
-        task = asyncio.create_task(self._generate(request, ids, cfg, queue, stop))
+        task = asyncio.create_task(self._generate(request, job, queue, stop))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         try:
@@ -422,8 +472,40 @@ class OpenAIServer:
         finally:
             stop.set()
 
-    async def _generate(self, request: Request, ids: list[int], cfg: GenerationConfig, queue: asyncio.Queue,
-                        stop: asyncio.Event) -> None:
+    def _fork(self, job: Job) -> SpecDecoder:
+        """An idle decoder for `job`'s weight mode (loading that mode's weights the first time), with its
+        drafter."""
+        with self._loading:
+            if job.weights not in self.variants:
+                log.info("loading %s in %s for a request", self.model_name, job.weights)
+                self.variants[job.weights] = self.dec.with_weights(job.weights)
+                self.idle[job.weights] = []
+        try:
+            fork = self.idle[job.weights].pop()
+        except IndexError:
+            fork = self.variants[job.weights].fork(self.scheduler)
+        own = self.dec._drafter_args
+        args = own if job.drafter is None else {"drafter": job.drafter, "tree": own["tree"],
+                                                "datastore": own["datastore"]}
+        if fork._drafter_args != args:
+            fork.set_drafter(**args)
+        return fork
+
+    def _live(self, fork: SpecDecoder, job: Job, d: Delta) -> dict[str, Any]:
+        """What the chat page shows while an answer streams: the figures so far, the link to the target."""
+        m = fork.engine.metrics
+        accepted = sum(m.accept_lengths) - m.target_calls
+        link = "local" if fork.remote is None else "connected" if fork.remote.ws is not None and not d.pending \
+            else "away"
+        return {"drafter": job.drafter or self._own_drafter(), "weights": fork.target.weights,
+                "tokens": m.new_tokens, "target_calls": m.target_calls, "tau": round(m.tau, 3),
+                "acceptance": round(accepted / m.drafted_tokens, 3) if m.drafted_tokens else None,
+                "tokens_per_s": round(m.tokens_per_s, 2), "link": link}
+
+    def _own_drafter(self) -> str:
+        return self.drafter or (self.dec.drafter.name if self.dec.drafter is not None else "none")
+
+    async def _generate(self, request: Request, job: Job, queue: asyncio.Queue, stop: asyncio.Event) -> None:
         """Run one generation on a decoder of its own, once the request has a place (waiting for one, FIFO),
         into `queue`; between rounds, stop if the client went away (or `stop` is set), and give the place,
         the decoder and its rows back at once."""
@@ -435,27 +517,25 @@ class OpenAIServer:
 
         finished = False
         try:
-            need = self._reservation(len(ids), cfg.max_new_tokens)
+            need = self._reservation(len(job.ids), job.cfg.max_new_tokens)
             granted = await self.admission.acquire(need)
         except Exception as e:
             queue.put_nowait(e)
             return
         fork = None
         try:
-            fork = self.forks.pop() if self.forks else \
-                await in_worker(self.dec.fork, self.scheduler, limiter=self.threads)
-            it = fork.stream(ids, cfg)
+            fork = await in_worker(self._fork, job, limiter=self.threads)
+            it = fork.stream(job.ids, job.cfg)
             try:
                 while not stop.is_set() and not await request.is_disconnected():
-                    item = await in_worker(step, it, limiter=self.threads)
-                    if item is done:
+                    d = await in_worker(step, it, limiter=self.threads)
+                    if d is done:
                         finished = True
                         break
-                    delta, new, finish = item
-                    self.stats.completion_tokens += len(new)
-                    self.tokens.add(len(new))
-                    finished = finish is not None
-                    queue.put_nowait((delta, new, finish, fork.engine.metrics if finished else None))
+                    self.stats.completion_tokens += len(d.tokens)
+                    self.tokens.add(len(d.tokens))
+                    finished = d.finish is not None
+                    queue.put_nowait((d, self._live(fork, job, d), fork.engine.metrics if finished else None))
                     if finished:
                         break
             finally:
@@ -466,20 +546,20 @@ class OpenAIServer:
         finally:
             if fork is not None:
                 fork.release()
-                self.forks.append(fork)
+                self.idle[job.weights].append(fork)
             self.admission.release(need, granted)
             queue.put_nowait(None)
             if not finished:
                 self.stats.cancelled += 1
                 log.info("client went away: generation stopped")
 
-    def _usage(self, prompt_tokens: int, completion_tokens: int, m: Metrics | None) -> S.Usage:
+    def _usage(self, prompt_tokens: int, completion_tokens: int, m: Metrics | None,
+               live: dict[str, Any] | None) -> S.Usage:
         usage = S.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                         total_tokens=prompt_tokens + completion_tokens)
-        if m is not None:
-            drafter = self.drafter or (self.dec.drafter.name if self.dec.drafter is not None else "none")
+        if m is not None and live is not None:
             usage.speculative = S.Speculative(
-                drafter=drafter, weights=self.dec.target.weights, tau=round(m.tau, 4), target_calls=m.target_calls,
+                drafter=live["drafter"], weights=live["weights"], tau=round(m.tau, 4), target_calls=m.target_calls,
                 tokens_per_s=round(m.tokens_per_s, 3), prefill_s=round(m.prefill_s, 4), total_s=round(m.total_s, 4))
             usage.unverified_tokens = m.unverified_in_output or None
         return usage
@@ -489,7 +569,7 @@ class OpenAIServer:
         try:
             self._authorise(request)
             req = await self._parse(request, kind)
-            ids, cfg = await self._prepared(req)
+            job = await self._prepared(req)
         except ApiError as e:
             self.stats.errors += 1
             return e.response()
@@ -501,22 +581,23 @@ class OpenAIServer:
         created = int(time.time())
         if req.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(self._events(request, req, ids, cfg, rid, created), media_type="text/event-stream",
+            return StreamingResponse(self._events(request, req, job, rid, created), media_type="text/event-stream",
                                      headers=headers)
         parts: list[str] = []
-        completion, finish, metrics = 0, "length", None
+        completion, finish, metrics, live = 0, "length", None, None
         try:
-            async with contextlib.aclosing(self._rounds(request, ids, cfg)) as rounds:
-                async for delta, new, reason, m in rounds:
-                    parts.append(delta)
-                    completion += len(new)
-                    finish, metrics = reason or finish, m or metrics
+            async with contextlib.aclosing(self._rounds(request, job)) as rounds:
+                async for d, now, m in rounds:
+                    live = now
+                    parts.append(d.text)
+                    completion += len(d.tokens)
+                    finish, metrics = d.finish or finish, m or metrics
         except Exception as e:
             self.stats.errors += 1
             return _generation_error(e).response()
         text = "".join(parts)
         unverified = True if metrics is not None and metrics.unverified_in_output else None
-        usage = self._usage(len(ids), completion, metrics)
+        usage = self._usage(len(job.ids), completion, metrics, live)
         if chat:
             body: BaseModel = S.ChatCompletion(id=rid, created=created, model=self.model_name, usage=usage, choices=[
                 S.ChatChoice(message=S.AssistantMessage(content=text), finish_reason=finish, unverified=unverified)])
@@ -525,15 +606,17 @@ class OpenAIServer:
                 S.CompletionChoice(text=text, finish_reason=finish, unverified=unverified)])
         return JSONResponse(S.dump(body))
 
-    async def _events(self, request: Request, req: _Request, ids: list[int], cfg: GenerationConfig, rid: str,
-                      created: int) -> AsyncIterator[str]:
+    async def _events(self, request: Request, req: _Request, job: Job, rid: str, created: int) -> AsyncIterator[str]:
+        """The answer as server-sent events, one chunk per verification round, each carrying moaspec's
+        extension field (`EXTENSION`, see docs/serving.md) beside OpenAI's fields."""
         chat = isinstance(req, ChatRequest)
         usage_field = {"usage": None} if req.include_usage else {}
 
         def event(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False, unverified: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, role: bool = False, unverified: bool = False,
+                  ext: dict[str, Any] | None = None) -> str:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
@@ -544,19 +627,24 @@ class OpenAIServer:
             if unverified:
                 choice["unverified"] = True
             return event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                          "created": created, "model": self.model_name, "choices": [choice], **usage_field})
+                          "created": created, "model": self.model_name, "choices": [choice], **usage_field,
+                          **({EXTENSION: ext} if ext is not None else {})})
 
         if chat:
             yield chunk("", None, role=True)
-        completion, metrics, finished = 0, None, False
+        completion, metrics, finished, live = 0, None, False, None
         try:
-            async with contextlib.aclosing(self._rounds(request, ids, cfg)) as rounds:
-                async for delta, new, finish, m in rounds:
-                    completion += len(new)
-                    if delta:
-                        yield chunk(delta, None)
-                    if finish is not None:
-                        yield chunk(None, finish, unverified=bool(m and m.unverified_in_output))
+            async with contextlib.aclosing(self._rounds(request, job)) as rounds:
+                async for d, live, m in rounds:
+                    completion += len(d.tokens)
+                    if d.text or d.pending or d.retract:
+                        ext = {"round": d.round, "pieces": [list(p) for p in d.pieces], **live}
+                        if d.pending or d.retract:
+                            ext.update(pending=d.pending, retract=d.retract)
+                        yield chunk(d.text, None, ext=ext)
+                    if d.finish is not None:
+                        yield chunk(None, d.finish, unverified=bool(m and m.unverified_in_output),
+                                    ext={"round": d.round, "pieces": [], **live})
                         metrics, finished = m, True
         except Exception as e:  # not CancelledError: a client that went away simply ends the stream
             self.stats.errors += 1
@@ -564,7 +652,7 @@ class OpenAIServer:
         if finished and req.include_usage:
             yield event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": created, "model": self.model_name, "choices": [],
-                         "usage": self._usage(len(ids), completion, metrics).model_dump(exclude_none=True)})
+                         "usage": self._usage(len(job.ids), completion, metrics, live).model_dump(exclude_none=True)})
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------ routes
@@ -577,7 +665,8 @@ class OpenAIServer:
         app = FastAPI(title="moaspec OpenAI-compatible API", version=__version__, docs_url=None, redoc_url=None)
         app.state.api = self
         S.install_openapi(app, {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest},
-                          self.model_name, self.limits.max_tokens)
+                          self.model_name, self.limits.max_tokens,
+                          {"drafter": self.drafters, "weights": self.weight_modes})
 
         app.add_middleware(SameSiteOnly, api=self)
 
@@ -600,7 +689,25 @@ class OpenAIServer:
 
         @app.get("/health", include_in_schema=False)
         async def health() -> dict[str, Any]:
-            return {"status": "ok", "model": self.model_name, "requests": self.stats.requests}
+            return {"status": "ok", "model": self.model_name, "requests": self.stats.requests,
+                    "cancelled": self.stats.cancelled}
+
+        @app.get("/", include_in_schema=False)
+        async def page() -> FileResponse:
+            """The chat page (static; it talks to this API like any client)."""
+            return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+        @app.get("/v1/moaspec", include_in_schema=False)
+        async def offer(request: Request) -> dict[str, Any]:
+            """What a request may choose here (moaspec's extension fields), for the chat page."""
+            self._authorise(request)
+            remote = self.dec.remote
+            return {"model": self.model_name, "drafter": self._own_drafter(), "drafters": self.drafters,
+                    "weights": self.weights, "weight_modes": self.weight_modes, "max_tokens": self.limits.max_tokens,
+                    "target": "local" if remote is None else "remote",
+                    "link": "local" if remote is None else "connected" if remote.ws is not None else "away"}
 
         @app.get("/v1/models", responses=S.responses(S.ModelList))
         async def models(request: Request) -> JSONResponse:
