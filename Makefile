@@ -55,7 +55,7 @@ law: setup
 	MOASPEC_LAW_SAMPLES=$(LAW_SAMPLES) $(BIN)/pytest -q -s tests/test_sampling.py -k lossless_synthetic
 
 lint: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests tools
 
 # The benchmark suite on Qwen2.5-Coder-0.5B (report in bench-out/report.md; a rerun resumes).
 bench-quick: setup

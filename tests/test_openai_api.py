@@ -20,7 +20,7 @@ from servers import Running
 
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.errors import UserError
-from moaspec.serving.openai_api import ApiLimits, check_host, create_app
+from moaspec.serving.openai_api import ApiLimits, Job, check_host, create_app
 
 SMOL = "smollm2-135m"
 KEY = "api-key-123"
@@ -110,6 +110,43 @@ def test_chat_stream_equals_the_decoders_greedy_output(client, dec_lookup):
     assert events[-1] == "data: [DONE]"
     bodies = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert all(b["choices"] and "usage" not in b for b in bodies)
+
+
+def test_each_chunk_says_who_wrote_its_tokens_and_a_request_picks_drafter_and_weights(served, client):
+    """The `moaspec` field of each streamed chunk cuts its text per token with its origin and the round, and
+    carries the live figures; `drafter` and `weights` (offered by GET /v1/moaspec) pick what answers, and
+    the answer is that decoder's own (fp16 weights loaded on first use)."""
+    offer = httpx.get(served[1].url + "/moaspec", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert offer["drafter"] == "lookup" and {"none", "lookup", "suffix"} <= set(offer["drafters"])
+    assert offer["weights"] == "fp32" and "fp16" in offer["weight_modes"] and offer["link"] == "local"
+    from moaspec.pipeline import SpecDecoder
+
+    want = _greedy(SpecDecoder(SMOL, drafter="none", weights="fp16"), MESSAGES)
+    chunks = list(client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=N, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"drafter": "suffix", "weights": "fp16"}))
+    ext = [c.model_extra["moaspec"] for c in chunks if c.choices and "moaspec" in c.model_extra]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert "".join(t for e in ext for t, _ in e["pieces"]) == text
+    assert {o for e in ext for _, o in e["pieces"]} <= {"suffix", "target"}
+    assert [e["round"] for e in ext] == sorted(e["round"] for e in ext)
+    last = ext[-1]
+    assert (last["drafter"], last["weights"], last["link"]) == ("suffix", "fp16", "local")
+    assert last["tokens"] == len(want.token_ids) and last["target_calls"] >= 1 and last["tau"] >= 1
+    spec = _speculative(chunks[-1].usage)
+    assert (spec["drafter"], spec["weights"]) == ("suffix", "fp16")
+    # naming the server's own drafter keeps it as the server built it, with its parts
+    api = create_app(SpecDecoder(SMOL, drafter="hybrid", hybrid_model="recycling"), SMOL).state.api
+    fork = api._fork(Job(want.prompt_ids, GenerationConfig(), api.weights, "hybrid"))
+    assert fork._drafter_args["hybrid_model"] == "recycling" and fork.drafter.model.name == "recycling"
+    fork.close()
+    api.close()
+    # what is not offered is refused, saying what is
+    _error(_post(served, "/chat/completions", {"model": SMOL, "messages": MESSAGES, "drafter": "nope"}), 400,
+           param="drafter")
+    _error(_post(served, "/chat/completions", {"model": SMOL, "messages": MESSAGES, "weights": "int3"}), 400,
+           param="weights")
 
 
 def test_completions_equal_the_decoders_greedy_output(client, dec_lookup):
@@ -329,7 +366,7 @@ def test_concurrent_requests_decode_together_and_equal_lone_answers(batched):
         assert out == lone, f"seed {seed}: answers changed when decoded together"
         s = api.scheduler.stats
         assert s.sequences - seqs > 1.5 * (s.passes - passes), "requests did not share passes"
-    assert api.admission.holders == 0 and len(api.forks) <= 8
+    assert api.admission.holders == 0 and sum(map(len, api.idle.values())) <= 8
     metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "moaspec_batch_sequences_bucket" in metrics and "moaspec_generations_waiting" in metrics
 

@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 import httpx
 import pytest
 from servers import Running
 
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.models.runtime import Transformer
+from moaspec.models.store import weights_fingerprint
+from moaspec.pipeline import SpecDecoder
 from moaspec.serving.openai_api import ApiLimits, create_app
+from moaspec.serving.protocol import Limits
+from moaspec.serving.shaping import ShapingProxy
+from moaspec.serving.target_server import TargetServer, load_encoders
 
 SMOL = "smollm2-135m"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -39,6 +47,26 @@ def served(dec_lookup):
 
 
 @pytest.fixture(scope="module")
+def remote_served(smol_folder):
+    """The API on a device whose target is a `serve-target` server behind a proxy that can cut the link."""
+    model = Transformer(smol_folder)
+    fp = weights_fingerprint(smol_folder)
+    target = TargetServer(model, SMOL, fp, "page-token", load_encoders(model, SMOL, fp),
+                          Limits(max_prompt_tokens=512, max_seq_len=1024), pass_costs={1: 10.0, 2: 10.2, 4: 10.8})
+    target_run = Running(target.app, scheme="ws")
+    with ShapingProxy(("127.0.0.1", target_run.port)) as proxy:
+        dec = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token="page-token",
+                          tree="adaptive:4", target_timeout_s=2)
+        app = create_app(dec, SMOL)
+        run = Running(app)
+        yield run, proxy
+        run.stop()
+        app.state.api.close()
+        dec.close()
+    target_run.stop()
+
+
+@pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"])
@@ -46,19 +74,28 @@ def browser():
         b.close()
 
 
-@pytest.fixture
-def page(browser, served):
-    """The page, loaded; every page error or console error is collected, and fails the test."""
+def _open(browser, url: str):
+    """The page at `url`, loaded; every page error or console error is collected, and fails the test."""
     ctx = browser.new_context(viewport={"width": 1280, "height": 860})
     page = ctx.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
     page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text}"))
-    page.goto(served[1].url + "/")
+    page.goto(url + "/")
     page.wait_for_function("document.querySelectorAll('#drafter option').length > 1")
     yield page
     ctx.close()
     assert not errors, errors
+
+
+@pytest.fixture
+def page(browser, served):
+    yield from _open(browser, served[1].url)
+
+
+@pytest.fixture
+def remote_page(browser, remote_served):
+    yield from _open(browser, remote_served[0].url)
 
 
 def _ask(page, prompt: str, max_tokens: int = N, temperature: float = 0.0) -> None:
@@ -90,8 +127,10 @@ def test_the_page_streams_the_apis_answer_with_shaded_tokens(page, served):
     msg = page.locator(".msg.assistant").first
     origins = set(msg.locator(".tokens .tok").evaluate_all("els => els.map(e => e.dataset.origin)"))
     assert {"target", "lookup"} <= origins, origins  # the target's own tokens and accepted drafts
-    titles = msg.locator(".tokens .tok").evaluate_all("els => els.map(e => e.title)")
-    assert all(t.startswith("round ") for t in titles)
+    tips = msg.locator(".tokens .tok").evaluate_all("els => els.map(e => e.dataset.tip)")
+    assert all(t.startswith("round ") for t in tips)
+    msg.locator(".tokens .tok[data-origin=lookup]").first.hover()  # hovering a token shows its round
+    assert page.is_visible("#tip") and "lookup's draft, accepted" in page.text_content("#tip")
     shaded = msg.locator(".tokens .tok[data-origin=lookup]").first.evaluate(
         "e => getComputedStyle(e).backgroundColor")
     assert shaded not in ("rgba(0, 0, 0, 0)", "transparent")
@@ -131,3 +170,34 @@ def test_stop_ends_the_generation_on_the_server(page, served):
     assert httpx.get(run.url + "/health").json()["cancelled"] == before + 1
     assert api.admission.holders == 0  # its place was given back
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+
+def test_unverified_tokens_are_marked_then_corrected_in_place(remote_page, remote_served, dec_none):
+    """Client-server: the link to the target is cut mid-answer; the drafter writes on alone, its tokens
+    shown as unverified and the link as away; when the target is back they are verified or corrected in
+    place, and the answer is plain greedy decoding's, with nothing left unverified."""
+    run, proxy = remote_served
+    page = remote_page
+    assert page.text_content("#fig-link") == "connected"
+    # record what the page showed on the way: unverified tokens, and the link's states
+    page.evaluate("""() => {
+        window.seen = {unverified: 0, links: new Set()};
+        new MutationObserver(() => {
+            window.seen.unverified = Math.max(window.seen.unverified,
+                document.querySelectorAll('.msg.assistant .tok.unverified').length);
+            window.seen.links.add(document.getElementById('fig-link').textContent);
+        }).observe(document.body, {subtree: true, childList: true, characterData: true});
+    }""")
+    prompt = "Write a Python function that returns the squares of a list of numbers."
+    _ask(page, prompt, max_tokens=64)
+    page.locator(".msg.assistant .tokens .tok").nth(6).wait_for(timeout=60_000)
+    proxy.down("refuse")
+    threading.Timer(1.5, proxy.up).start()
+    text = _answer(page, 0)
+    want = dec_none.generate([{"role": "user", "content": prompt}], GenerationConfig(max_new_tokens=64))
+    assert text == want.text
+    seen = page.evaluate("() => ({unverified: window.seen.unverified, links: [...window.seen.links]})")
+    assert seen["unverified"] > 0 and "away" in seen["links"], seen
+    assert page.locator(".msg.assistant .tok.unverified").count() == 0
+    assert page.locator(".msg.assistant .tok.resynced").count() > 0  # the text the target re-stated
+    assert page.text_content("#fig-link") == "connected"

@@ -607,8 +607,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if dec.remote is None and not dec.target.batch_invariant():
         together += " (fp32 is not batch-invariant: their passes run one after another; --weights fp16/int8/int4 " \
                     "batches them)"
-    print(f"serving {_label(args)} as an OpenAI API on {'https' if tls else 'http'}://{args.host}:{args.port}/v1 "
-          f"({'key required' if key else 'open, loopback only'}; {together}); Ctrl-C stops", file=sys.stderr)
+    base = f"{'https' if tls else 'http'}://{args.host}:{args.port}"
+    print(f"serving {_label(args)} as an OpenAI API on {base}/v1 ({'key required' if key else 'open, loopback only'}; "
+          f"{together}); the chat page: {base}/ ; Ctrl-C stops", file=sys.stderr)
     serve(app, args.host, args.port, **tls)
     return 0
 

@@ -293,7 +293,7 @@ class OpenAIServer:
         self.admission = Admission(lim.kv_memory_mb << 20, lim.max_waiting, max_holders=lim.parallel)
         # weight mode -> the decoder over that copy of the weights (loaded when a request first asks for it;
         # their passes share the one scheduler), and its idle forks, one per generation that ran at once
-        self.weights = dec.target.weights
+        self.weights = _weights(dec)
         self.variants: dict[str, SpecDecoder] = {self.weights: dec}
         self.idle: dict[str, list[SpecDecoder]] = {self.weights: []}
         self._loading = threading.Lock()
@@ -321,9 +321,8 @@ class OpenAIServer:
         compiled kernels, int8 and int4."""
         own = self.drafter or (self.dec.drafter.name if self.dec.drafter is not None else "none")
         drafters = ready_drafters(self.model_name)
-        modes = ["fp32", "fp16", *(QUANTISED[:2] if self.dec.target.kernels is not None else ())]
-        if self.dec.remote is not None:
-            modes = []
+        modes = [] if self.dec.remote is not None else \
+            ["fp32", "fp16", *(QUANTISED[:2] if self.dec.target.kernels is not None else ())]
         return drafters + [own] * (own not in drafters), modes + [self.weights] * (self.weights not in modes)
 
     def close(self) -> None:
@@ -484,9 +483,9 @@ class OpenAIServer:
             fork = self.idle[job.weights].pop()
         except IndexError:
             fork = self.variants[job.weights].fork(self.scheduler)
-        own = self.dec._drafter_args
-        args = own if job.drafter is None else {"drafter": job.drafter, "tree": own["tree"],
-                                                "datastore": own["datastore"]}
+        own = self.dec._drafter_args  # the server's drafter, with its parts (a hybrid's, a draft model, a path)
+        args = own if job.drafter in (None, self._own_drafter()) else \
+            {"drafter": job.drafter, "tree": own["tree"], "datastore": own["datastore"]}
         if fork._drafter_args != args:
             fork.set_drafter(**args)
         return fork
@@ -497,7 +496,7 @@ class OpenAIServer:
         accepted = sum(m.accept_lengths) - m.target_calls
         link = "local" if fork.remote is None else "connected" if fork.remote.ws is not None and not d.pending \
             else "away"
-        return {"drafter": job.drafter or self._own_drafter(), "weights": fork.target.weights,
+        return {"drafter": job.drafter or self._own_drafter(), "weights": _weights(fork),
                 "tokens": m.new_tokens, "target_calls": m.target_calls, "tau": round(m.tau, 3),
                 "acceptance": round(accepted / m.drafted_tokens, 3) if m.drafted_tokens else None,
                 "tokens_per_s": round(m.tokens_per_s, 2), "link": link}
@@ -758,6 +757,11 @@ class SameSiteOnly:
             await refused.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _weights(dec: SpecDecoder) -> str:
+    """The weight mode the target of `dec` runs in (a remote one: its server's)."""
+    return dec.remote.info.get("weights", "?") if dec.remote is not None else dec.target.weights
 
 
 def create_app(dec: SpecDecoder, model_name: str, token: str | None = None, limits: ApiLimits | None = None,

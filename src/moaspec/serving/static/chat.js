@@ -143,7 +143,7 @@ function tokenSpan(piece, text, index) {
   s.dataset.i = index;
   const who = piece.origin === "target" ? "the target's own token"
     : piece.origin === "unverified" ? "written by the drafter alone, not yet verified" : `${piece.origin}'s draft, accepted`;
-  s.title = `round ${piece.round}: ${who}`;
+  s.dataset.tip = `round ${piece.round}: ${who}`;
   s.textContent = text;
   return s;
 }
@@ -318,6 +318,18 @@ function main() {
     sessionStorage.setItem("moaspec-key", $("api-key").value);
     loadOffer().catch((err) => status(err.message, true));
   });
+  const tip = Object.assign(document.createElement("div"), { id: "tip", hidden: true, role: "tooltip" });
+  document.body.append(tip);
+  $("chat").addEventListener("mouseover", (e) => {  // a token's round and who wrote it
+    const tok = e.target.closest(".tok");
+    tip.hidden = !tok;
+    if (!tok) return;
+    tip.textContent = tok.dataset.tip;
+    const r = tok.getBoundingClientRect();
+    tip.style.left = `${Math.min(r.left, window.innerWidth - 320)}px`;
+    tip.style.top = `${r.bottom + 4}px`;
+  });
+  $("chat").addEventListener("mouseleave", () => { tip.hidden = true; });
   updateLegend();
   loadOffer().catch((err) => status(err.message, true));
 }
