@@ -40,6 +40,7 @@ def replicas(tmp_path_factory):
     server.close()
 
 
+@pytest.mark.slow  # two Ray replicas started and one killed: ~50 s
 def test_a_killed_replica_hands_its_devices_to_the_other(replicas):
     from moaspec.pipeline import SpecDecoder
 
@@ -74,6 +75,7 @@ def test_a_killed_replica_hands_its_devices_to_the_other(replicas):
     device.remote.shutdown()
 
 
+@pytest.mark.slow  # ~85 s
 def test_soak_short(tmp_path):
     """The load test in short (`python -m moaspec.bench.soak` runs it for minutes): 4 API users and 4
     devices against two replicas each, through a shaped link; every answer is its lone answer."""

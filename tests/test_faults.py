@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from moaspec.bench import faults
 
 
+@pytest.mark.slow  # real processes killed and restarted: ~60 s
 def test_fault_matrix_short(tmp_path):
     out = tmp_path / "faults.json"
     rc = faults.main(["--runs", "1", "--faults", "link-stall,client-kill,other-weights,disk-full", "--seed", "3",

@@ -199,6 +199,7 @@ def test_fallback_to_fp16_when_the_kernels_cannot_be_built(monkeypatch, caplog):
     assert "no compiler here" in caplog.text
 
 
+@pytest.mark.slow  # builds the kernels again from source: ~70 s
 def test_a_damaged_build_is_rebuilt(tmp_path):
     """A corrupt compiled kernel in the cache is thrown away and built again, not loaded or fatal."""
     env = {**os.environ, "MOASPEC_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}

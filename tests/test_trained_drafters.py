@@ -24,7 +24,8 @@ def test_moa_ships_for_the_default_target():
     assert resolve_auto(SMOL) == ("moa" if meta.get("default") else "suffix")
 
 
-@pytest.fixture(scope="module", params=SHIPPED)
+# MoA's in the fast suite; the baselines' (~40 s each) with the slow tests
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=() if k == "moa" else pytest.mark.slow) for k in SHIPPED])
 def trained(request):
     from moaspec.pipeline import SpecDecoder
 
