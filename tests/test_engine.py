@@ -229,7 +229,7 @@ def test_stream_concatenates_to_generate(decoders, drafter):
     dec = decoders[drafter]
     cfg = GenerationConfig(max_new_tokens=24)
     prompt = PROMPTS[13]
-    parts = list(dec.stream(prompt, cfg))
+    parts = list(dec.stream(prompt, cfg, pieces=True))
     g = dec.generate(prompt, cfg)
     assert "".join(p.text for p in parts) == g.text
     assert [t for p in parts for t in p.tokens] == g.token_ids

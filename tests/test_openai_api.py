@@ -138,7 +138,7 @@ def test_each_chunk_says_who_wrote_its_tokens_and_a_request_picks_drafter_and_we
     assert (spec["drafter"], spec["weights"]) == ("suffix", "fp16")
     # naming the server's own drafter keeps it as the server built it, with its parts
     api = create_app(SpecDecoder(SMOL, drafter="hybrid", hybrid_model="recycling"), SMOL).state.api
-    fork = api._fork(Job(want.prompt_ids, GenerationConfig(), api.weights, "hybrid"))
+    fork = api._fork(Job(want.prompt_ids, GenerationConfig(), api.weights, "hybrid", pieces=True))
     assert fork._drafter_args["hybrid_model"] == "recycling" and fork.drafter.model.name == "recycling"
     fork.close()
     api.close()

@@ -384,7 +384,7 @@ def test_streamed_text_stays_verified_across_an_outage(served, dec_none):
                              tree="adaptive:4", target_timeout_s=2)
         timer = threading.Timer(1.0, proxy.up)
         deltas, shown = [], 0
-        for d in client.stream(PROMPT, cfg):
+        for d in client.stream(PROMPT, cfg, pieces=True):
             if d.pending:  # shown until the next verified delta, which withdraws every one of them
                 assert not d.text and not d.tokens and d.retract == 0
                 shown += len(d.pending)
@@ -530,7 +530,7 @@ def test_text_the_target_never_verified_is_counted_and_marked(served):
         client = SpecDecoder(SMOL, drafter="moa", target_url=f"ws://127.0.0.1:{proxy.port}", token=TOKEN,
                              tree="adaptive:4", target_timeout_s=2)
         ids = client.encode(PROMPT)
-        steps = client.stream(ids, cfg)
+        steps = client.stream(ids, cfg, pieces=True)
         tokens = list(next(steps).tokens)
         proxy.down("blackhole")
         last = None

@@ -81,7 +81,7 @@ class Delta:
     text: str
     tokens: list[int]
     finish: str | None
-    pieces: list[tuple[str, str]]
+    pieces: list[tuple[str, str]]  # empty unless `SpecDecoder.stream` was asked for them
     round: int
     pending: list[str] = field(default_factory=list)
     retract: int = 0
@@ -304,8 +304,9 @@ class SpecDecoder:
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None = None,
-               chat: bool = True) -> Iterator[Delta]:
-        """Yield what each verification round adds to the answer (`Delta`).
+               chat: bool = True, pieces: bool = False) -> Iterator[Delta]:
+        """Yield what each verification round adds to the answer (`Delta`); its `pieces` only when asked
+        (they cost a decode per token: a client that shows them asks, `generate` does not).
 
         Only text the target verified goes into `Delta.text`: while a remote target is away, the tokens the
         drafter writes alone wait here, shown as `Delta.pending`, until the target confirms or corrects
@@ -356,8 +357,8 @@ class SpecDecoder:
             keep = self._reaching(tokens, visible, sent) if hits or hold else len(tokens)
             if finish is not None:
                 self.engine.metrics.new_tokens = keep
-            pieces = self._pieces(tokens, origins, sent, keep, shown, visible)
-            yield Delta(visible[len(shown):], tokens[sent:keep], finish, pieces, self.engine.metrics.target_calls,
+            cut = self._pieces(tokens, origins, sent, keep, shown, visible) if pieces else []
+            yield Delta(visible[len(shown):], tokens[sent:keep], finish, cut, self.engine.metrics.target_calls,
                         retract=pieces_shown)
             sent, shown, pending, pieces_shown = keep, visible, "", 0
             if finish is not None:

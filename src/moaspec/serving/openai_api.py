@@ -258,6 +258,7 @@ class Job:
     cfg: GenerationConfig
     weights: str
     drafter: str | None  # None: the server's
+    pieces: bool  # streamed: each chunk cuts its text per token (`Delta.pieces`)
 
 
 @dataclass
@@ -319,7 +320,7 @@ class OpenAIServer:
         """The drafters and weight modes a request may ask for (`drafter`, `weights`): the drafters ready for
         this target and the server's own; a remote target's mode only, else fp32, fp16 and, with the
         compiled kernels, int8 and int4."""
-        own = self.drafter or (self.dec.drafter.name if self.dec.drafter is not None else "none")
+        own = self._own_drafter()
         drafters = ready_drafters(self.model_name)
         modes = [] if self.dec.remote is not None else \
             ["fp32", "fp16", *(QUANTISED[:2] if self.dec.target.kernels is not None else ())]
@@ -428,7 +429,7 @@ class OpenAIServer:
             raise ApiError(400, f"weight mode {req.weights!r} is not offered here; choose one of "
                            f"{', '.join(self.weight_modes)}.", param="weights", code="invalid_value")
         return Job(ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops),
-                   req.weights or self.weights, req.drafter)
+                   req.weights or self.weights, req.drafter, bool(req.stream))
 
     def _check_text_length(self, req: _Request, param: str) -> None:
         """Refuse, before tokenising it, text that cannot fit: more characters than the longest token has,
@@ -494,12 +495,10 @@ class OpenAIServer:
         """What the chat page shows while an answer streams: the figures so far, the link to the target."""
         m = fork.engine.metrics
         accepted = sum(m.accept_lengths) - m.target_calls
-        link = "local" if fork.remote is None else "connected" if fork.remote.ws is not None and not d.pending \
-            else "away"
         return {"drafter": job.drafter or self._own_drafter(), "weights": _weights(fork),
                 "tokens": m.new_tokens, "target_calls": m.target_calls, "tau": round(m.tau, 3),
                 "acceptance": round(accepted / m.drafted_tokens, 3) if m.drafted_tokens else None,
-                "tokens_per_s": round(m.tokens_per_s, 2), "link": link}
+                "tokens_per_s": round(m.tokens_per_s, 2), "link": _link(fork, away=bool(d.pending))}
 
     def _own_drafter(self) -> str:
         return self.drafter or (self.dec.drafter.name if self.dec.drafter is not None else "none")
@@ -524,7 +523,7 @@ class OpenAIServer:
         fork = None
         try:
             fork = await in_worker(self._fork, job, limiter=self.threads)
-            it = fork.stream(job.ids, job.cfg)
+            it = fork.stream(job.ids, job.cfg, pieces=job.pieces)
             try:
                 while not stop.is_set() and not await request.is_disconnected():
                     d = await in_worker(step, it, limiter=self.threads)
@@ -702,11 +701,9 @@ class OpenAIServer:
         async def offer(request: Request) -> dict[str, Any]:
             """What a request may choose here (moaspec's extension fields), for the chat page."""
             self._authorise(request)
-            remote = self.dec.remote
             return {"model": self.model_name, "drafter": self._own_drafter(), "drafters": self.drafters,
                     "weights": self.weights, "weight_modes": self.weight_modes, "max_tokens": self.limits.max_tokens,
-                    "target": "local" if remote is None else "remote",
-                    "link": "local" if remote is None else "connected" if remote.ws is not None else "away"}
+                    "target": "local" if self.dec.remote is None else "remote", "link": _link(self.dec)}
 
         @app.get("/v1/models", responses=S.responses(S.ModelList))
         async def models(request: Request) -> JSONResponse:
@@ -762,6 +759,14 @@ class SameSiteOnly:
 def _weights(dec: SpecDecoder) -> str:
     """The weight mode the target of `dec` runs in (a remote one: its server's)."""
     return dec.remote.info.get("weights", "?") if dec.remote is not None else dec.target.weights
+
+
+def _link(dec: SpecDecoder, away: bool = False) -> str:
+    """The state of `dec`'s link to its target: local, connected, or away (also when `away`: its drafter is
+    writing alone)."""
+    if dec.remote is None:
+        return "local"
+    return "connected" if dec.remote.ws is not None and not away else "away"
 
 
 def create_app(dec: SpecDecoder, model_name: str, token: str | None = None, limits: ApiLimits | None = None,

@@ -94,7 +94,6 @@ function addMessage(role, text = "") {
     el.textContent = text;
   } else {
     el.innerHTML = '<div class="views"><div class="tokens"></div><div class="rendered"></div></div><div class="meta"></div>';
-    el.classList.toggle("shade", $("shade").checked);
     el.classList.toggle("plain", !$("shade").checked);
     el.dataset.state = "streaming";
   }
@@ -310,7 +309,6 @@ function main() {
   });
   $("shade").addEventListener("change", () => {
     document.querySelectorAll(".msg.assistant").forEach((m) => {
-      m.classList.toggle("shade", $("shade").checked);
       m.classList.toggle("plain", !$("shade").checked);
     });
   });
