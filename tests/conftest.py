@@ -44,11 +44,9 @@ def smol_folder():
 @pytest.fixture(scope="session")
 def hf_smol(smol_folder):
     """transformers' own implementation of SmolLM2: the oracle for our runtime."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
+    from moaspec.models.store import reference_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(smol_folder), dtype=torch.float32)
-    return model.eval()
+    return reference_model(smol_folder)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """The command line: in-process through `main([...])`, and as a real `python -m moaspec` process.
 
-Uses smollm2-135m (converted once into the moaspec cache by `make setup`) and few new tokens.
+Uses smollm2-135m (described once in the moaspec cache by `make setup`) and few new tokens.
 """
 
 from __future__ import annotations
@@ -222,9 +222,9 @@ def test_models_list(capsys):
     code, out, err = run(capsys, "models", "list", "--json")
     assert code == 0, err
     rows = {r["name"]: r for r in json.loads(out)}
-    assert rows[MODEL]["packages_installed"] and rows[MODEL]["converted"] and rows[MODEL]["default"]
+    assert rows[MODEL]["packages_installed"] and rows[MODEL]["ready"] and rows[MODEL]["default"]
     code, out, err = run(capsys, "models", "list")
-    assert code == 0 and MODEL in out and "CONVERTED" in out
+    assert code == 0 and MODEL in out and "READY" in out
 
 
 def test_models_install_is_a_no_op_when_ready(capsys, monkeypatch):

@@ -216,7 +216,7 @@ def test_a_damaged_build_is_rebuilt(tmp_path):
 # Stated bounds (KL to fp32, top-1 agreement) on SmolLM2 over 300 tokens of text. Measured on 600 tokens of
 # docs/results.md: int8 KL 0.010, top-1 0.92; int4 0.006, 0.93 (the Q4_1 GGUF tensors come back exactly on
 # int4's grid of 32); int4-g64 0.098, 0.78.
-BOUNDS = {"int8": (0.03, 0.85), "int4": (0.03, 0.85), "int4-g64": (0.3, 0.6)}
+BOUNDS = {"int8": (0.03, 0.85), "int4": (0.03, 0.85), "int4-g64": (0.3, 0.6), "gguf": (0.03, 0.85)}
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_logits_stay_within_the_stated_bound(smol_folder, fp32_logits, mode):
     assert kl < max_kl and top1 > min_top1, (mode, kl, top1)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "gguf"])
 def test_greedy_speculative_equals_greedy_plain_in_each_mode(mode):
     """Lossless with respect to the quantised target: the same tokens as plain decoding in that mode."""
     cfg = GenerationConfig(max_new_tokens=40)
@@ -253,7 +253,7 @@ def test_greedy_speculative_equals_greedy_plain_in_each_mode(mode):
             assert dec.generate(prompt, cfg).token_ids == plain, (mode, drafter, prompt)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "gguf"])
 def test_the_one_call_stack_equals_the_layer_by_layer_path(smol_folder, mode):
     """The compiled `Stack` (every decoder layer of a one-sequence pass in one call) gives the bits of the
     layer-by-layer path: logits, returned hidden states and the K/V written, for a prefill chunk, a decode
@@ -280,13 +280,18 @@ def test_the_one_call_stack_equals_the_layer_by_layer_path(smol_folder, mode):
 
 
 def test_auto_weights_take_the_fastest_mode_at_the_models_own_quality(smol_folder, tmp_path):
-    """SmolLM2 ships in 4 bits (a Q4_1 GGUF): `auto` runs it in int4, which holds those weights exactly; a
-    model whose weights are not on int4's grid gets int8; a bad mode is refused with the choices."""
+    """A GGUF model runs in its file's own formats (`gguf`); a folder of float weights runs int4 where they lie
+    on int4's grid, else int8; `gguf` on float weights and a bad mode are refused with the choices."""
     from safetensors.torch import save_file
 
     from moaspec.models.runtime import resolve_weights
 
-    assert resolve_weights("auto", smol_folder) == "int4"
+    assert resolve_weights("auto", smol_folder) == "gguf"
+    on_grid = quant.dequantize_int4(*quant.quantize_int4(torch.randn(64, 128)))
+    save_file({"model.layers.0.mlp.gate_proj.weight": on_grid}, str(tmp_path / "model.safetensors"))
+    assert resolve_weights("auto", tmp_path) == "int4"
+    with pytest.raises(UserError, match="gguf"):
+        resolve_weights("gguf", tmp_path)
     save_file({"model.layers.0.mlp.gate_proj.weight": torch.randn(64, 128)}, str(tmp_path / "model.safetensors"))
     assert resolve_weights("auto", tmp_path) == "int8"
     assert resolve_weights("fp32", tmp_path) == "fp32"

@@ -6,8 +6,6 @@ checked against the plain sequential computation of the same tokens.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from conftest import assert_same_or_near_tie, chat_ids
@@ -209,13 +207,10 @@ def test_fp16_speculative_equals_plain(fp16_decoders, index):
 # --------------------------------------------------------------------------- (g) Qwen
 @pytest.mark.slow
 def test_qwen_prefill_and_decode_match_transformers():
-    from transformers import AutoModelForCausalLM
+    from moaspec.models.store import load_tokenizer, reference_model, resolve
 
-    from moaspec.models.store import load_tokenizer, resolve
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder = resolve("qwen2.5-coder-0.5b")
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf = reference_model(folder)
     model = Transformer(folder, max_seq_len=512)
     ids = chat_ids(load_tokenizer(folder), "Write a Python function that checks whether a number is prime.")
     _check_against_hf(model, hf, ids)

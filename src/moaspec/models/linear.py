@@ -24,11 +24,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from moaspec.models import quant
+from moaspec.models import blocks, quant
 
-WeightMode = Literal["fp32", "fp16", "int8", "int4", "int4-g64", "int4-g128"]
-WEIGHT_MODES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4", "int4-g64", "int4-g128")
-QUANTISED = ("int8", "int4", "int4-g64", "int4-g128")
+WeightMode = Literal["fp32", "fp16", "int8", "int4", "int4-g64", "int4-g128", "gguf"]
+GGUF = "gguf"  # a GGUF file's own block formats, tensor by tensor (`blocks.py`); int8 for a float tensor
+WEIGHT_MODES: tuple[str, ...] = ("fp32", "fp16", "int8", "int4", "int4-g64", "int4-g128", GGUF)
+QUANTISED = ("int8", "int4", "int4-g64", "int4-g128", GGUF)
 AUTO = "auto"  # the default: the fastest mode at the model's own quality (`runtime.resolve_weights`)
 WEIGHT_CHOICES: tuple[str, ...] = (AUTO, *WEIGHT_MODES)
 log = logging.getLogger(__name__)
@@ -43,10 +44,12 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: WeightMode = "fp32"):
         self.out_features, self.in_features = weight.shape
+        if mode == GGUF:  # a float tensor has no block format of its own (`from_blocks` builds those)
+            mode = "int8"
         self.mode = mode
         self.bias = None if bias is None else bias.float().contiguous()
         self.cpu = weight.device.type == "cpu"
-        self.weight = self.packed = self.q = self.w16 = None
+        self.weight = self.packed = self.q = self.w16 = self.blocks = None
         self.few_rows = False  # fp16: 1-8 rows through `linear_f16` rather than fbgemm (`set_few_rows`)
         # fp16: whether fbgemm computes a row the same whatever rows share its call (`Transformer.batch_invariant`
         # checks it before a batched pass stacks several sequences' rows into one fbgemm call)
@@ -74,10 +77,23 @@ class Linear:
         else:
             self.weight = weight.float().contiguous()
 
+    @classmethod
+    def from_blocks(cls, weight: blocks.BlockWeight, bias: torch.Tensor | None = None) -> Linear:
+        """A layer kept in a GGUF block format (`mode` "gguf", its format in `weight.fmt`)."""
+        lin = cls.__new__(cls)
+        lin.out_features, lin.in_features = weight.out_features, weight.in_features
+        lin.mode, lin.cpu, lin.few_rows, lin.fbgemm_rows_independent = GGUF, True, False, False
+        lin.weight = lin.packed = lin.q = lin.w16 = None
+        lin.blocks = weight
+        lin.bias = None if bias is None else bias.float().contiguous()
+        return lin
+
     def __call__(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
         """x @ W.T + b. `counts`: x stacks the rows of several sequences, this many each (a batched pass);
         each sequence's rows are computed by the kernel that a call with its rows alone would use, in one
         call wherever the kernels agree, so that its result is the same bits as alone (`batch_invariant`)."""
+        if self.blocks is not None:
+            return blocks.linear(x.float().contiguous(), self.blocks, self.bias)
         if counts is not None and len(counts) > 1 and self.packed is not None:
             return self._stacked(x, counts)
         n = x.shape[0]
@@ -157,12 +173,32 @@ class Linear:
         return (self.weight @ xc.T).T[:n].contiguous()
 
     def nbytes(self) -> int:
+        if self.blocks is not None:
+            return self.blocks.nbytes()
         if self.q is not None:
             extra = [self.scale] + ([self.offset] if self.mode != "int8" else [])
             return sum(t.numel() * t.element_size() for t in [self.q, *extra])
         if self.packed is not None:
             return self.out_features * self.in_features * 2
         return self.weight.numel() * self.weight.element_size()
+
+
+class Parts:
+    """Layers that share an input and whose outputs are stacked (q|k|v stored in different block formats):
+    one call, each part's kernel, the outputs side by side."""
+
+    def __init__(self, parts: list[Linear]):
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.mode = GGUF
+
+    def __call__(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        x = x.float().contiguous()
+        return torch.cat([p(x, counts) for p in self.parts], -1)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
 
 
 # Like llama.cpp's Q4_K_M, the int4 modes keep the tensors that quantisation hurts most at 8 bits: the
@@ -194,6 +230,8 @@ def runnable_mode(mode: str, device: torch.device, in_features: int | None = Non
     are not whole groups of the kernels' 8 channels in fp16."""
     if mode not in QUANTISED:
         return mode
+    if in_features is not None and mode == GGUF:
+        mode = "int8"  # a float layer under the file's formats (a GGUF tensor itself never comes here)
     if in_features is not None:
         if mode != "int8" and in_features % int4_group(mode):
             mode = "int4"  # groups of 32 divide every width the next check lets through

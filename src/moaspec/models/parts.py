@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
 
 from moaspec.errors import UserError
 from moaspec.models.linear import WeightMode, runnable_mode
 from moaspec.models.runtime import Layer, ModelConfig, resolve_weights, rope_tables
+from moaspec.models.weights import open_weights
 
 
 class TargetParts(Protocol):
@@ -35,7 +35,8 @@ class TargetParts(Protocol):
 
 
 class PartialTarget:
-    """The embedding, LM head, final norm and last `tail` layers of a model folder, read alone."""
+    """The embedding, LM head, final norm and last `tail` layers of a model, read alone (tensor by tensor
+    from its GGUF file or safetensors)."""
 
     def __init__(self, folder: str | Path, tail: int = 0, weights: WeightMode = "fp32",
                  device: str | torch.device = "cpu", max_seq_len: int = 4096):
@@ -43,27 +44,19 @@ class PartialTarget:
         self.cfg = cfg = ModelConfig.from_folder(self.folder)
         self.device = torch.device(device)
         self.weights = runnable_mode(resolve_weights(weights, self.folder, self.device), self.device)
-        self.files = sorted(self.folder.glob("*.safetensors"))
-        if not self.files:
-            raise UserError(f"no *.safetensors in {self.folder}")
-        w = self._read(("model.embed_tokens.", "model.norm.", "lm_head."))
-        self.embed = w["model.embed_tokens.weight"].float()
-        head = self.embed if cfg.tie_embeddings else w.get("lm_head.weight", self.embed).float()
-        self.lm_head_weight = head
-        self.norm = w["model.norm.weight"].float()
+        self.source = open_weights(self.folder, cfg.num_heads, cfg.num_kv_heads, self.device)
+        embed = "model.embed_tokens.weight"
+        self.embed = self.source.tensor(embed).float()
+        head = "lm_head.weight"
+        tied = cfg.tie_embeddings or not self.source.has(head)
+        self.lm_head_weight = self.embed if tied else self.source.tensor(head).float()
+        self.norm = self.source.tensor("model.norm.weight").float()
+        for name in (embed, head, "model.norm.weight"):
+            self.source.release(name)
         self._tail: list[Layer] = []
         self.tail_layers(tail)
         self.max_seq_len = min(max_seq_len, cfg.max_position)
         self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
-
-    def _read(self, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        w: dict[str, torch.Tensor] = {}
-        for f in self.files:
-            with safe_open(str(f), framework="pt", device=str(self.device)) as st:
-                for key in st.keys():
-                    if key.startswith(prefixes):
-                        w[key] = st.get_tensor(key)
-        return w
 
     @property
     def tail(self) -> int:
@@ -71,14 +64,13 @@ class PartialTarget:
         return len(self._tail)
 
     def tail_layers(self, n: int) -> list[Layer]:
-        """The last n layers, read from the folder the first time they are asked for."""
+        """The last n layers, read the first time they are asked for."""
         L = self.cfg.num_layers
         if not 0 <= n <= L:
             raise UserError(f"the target has {L} layers; cannot take the last {n}")
         if n > self.tail:
             more = range(L - n, L - self.tail)
-            w = self._read(tuple(f"model.layers.{i}." for i in more))
-            self._tail = [Layer(w, f"model.layers.{i}", self.weights) for i in more] + self._tail
+            self._tail = [Layer(self.source, f"model.layers.{i}", self.weights, self.cfg) for i in more] + self._tail
         return self._tail[self.tail - n:]
 
     def num_parameters(self) -> int:

@@ -7,8 +7,9 @@
 //   int4: W = q * s[n, g] + m[n, g]  q in [0, 15], scale and offset (fp16) per group of G inputs
 // The weights lie interleaved by output channel (see `Lanes` below and quant.interleave_int8/int4).
 // The offset term needs only the activations' block sums: sum_b dx_b * sum(qx_b) per group.
-// Also: fp16 weights for a few rows (`linear_f16`), attention whose rows do not depend on each other,
-// and every decoder layer of a quantised pass in one call (`Stack`).
+// Also: llama.cpp's GGUF block formats multiplied as stored ("GGUF block formats" below, blocks.py), fp16
+// weights for a few rows (`linear_f16`), attention whose rows do not depend on each other, and every
+// decoder layer of a quantised pass in one call (`Stack`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,6 +32,7 @@ struct QuantRows {
   std::vector<int8_t> q;     // [R, K]
   std::vector<float> d;      // [R, K / 32] block scales
   std::vector<float> gsum;   // [R, K / G] sum over the group's blocks of d * sum(q)
+  std::vector<int32_t> s;    // [R, K / 16] sum(q) of each 16-value half of a block (integer zero points)
 };
 
 inline float hsum(__m256 v) {
@@ -83,6 +85,7 @@ QuantRows quantize_rows(const float* x, int64_t R, int64_t K, int64_t G) {
   out.q.resize(R * K);
   out.d.resize(R * nb);
   out.gsum.assign(R * ng, 0.f);
+  out.s.resize(R * nb * 2);
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   // rows are independent: many rows (a prefill) are split among the threads
   at::parallel_for(0, R, R >= 16 ? 8 : R, [&](int64_t r_begin, int64_t r_end) {
@@ -106,11 +109,15 @@ QuantRows quantize_rows(const float* x, int64_t R, int64_t K, int64_t G) {
       __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
       p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       int8_t* dst = out.q.data() + r * K;
-      __m256i s = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-      s4 = _mm_hadd_epi32(s4, s4);
-      s4 = _mm_hadd_epi32(s4, s4);
-      const float c = d * static_cast<float>(_mm_cvtsi128_si32(s4));  // the block's sum, dequantised
+      int32_t half[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i s = _mm256_add_epi32(i32[2 * h], i32[2 * h + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        half[h] = out.s[(r * nb + b) * 2 + h] = _mm_cvtsi128_si32(s4);
+      }
+      const float c = d * static_cast<float>(half[0] + half[1]);  // the block's sum, dequantised
       out.gsum[r * ng + b / per_group] += c;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + b * QK), p8);
       out.d[r * nb + b] = d;
@@ -179,6 +186,20 @@ struct Lanes8 {
   static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // (the GGUF block kernels')
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I set1i(int32_t v) { return _mm256_set1_epi32(v); }
+  // the bits `mask` of each byte after shifting h left by s (right where s < 0) within 16-bit lanes: the
+  // callers' shifts (<= 4 left, <= 3 right) bring no bit of the neighbouring byte under the mask
+  static I bits(I h, int s, int mask) {
+    h = s > 0 ? _mm256_slli_epi16(h, s) : s < 0 ? _mm256_srli_epi16(h, -s) : h;
+    return _mm256_and_si256(h, _mm256_set1_epi8(static_cast<char>(mask)));
+  }
+  static F u8f(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+  static I s8i(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
 };
 
 #if defined(MOASPEC_VNNI) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -210,6 +231,17 @@ struct Lanes16 {
   static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
+  static I bits(I h, int s, int mask) {
+    h = s > 0 ? _mm512_slli_epi16(h, s) : s < 0 ? _mm512_srli_epi16(h, -s) : h;
+    return _mm512_and_si512(h, _mm512_set1_epi8(static_cast<char>(mask)));
+  }
+  static F u8f(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+  static I s8i(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
 };
 using Lanes = Lanes16;
 #else
@@ -296,20 +328,20 @@ void q4_group(const QuantRows& a, int64_t r0, const uint8_t* wg, const uint16_t*
   for (int r = 0; r < RT; ++r) res[r] = acc[r];
 }
 
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined() || bias->numel() == 0) return nullptr;
+  TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+              "bias must be a contiguous float32 [out] tensor");
+  return bias->data_ptr<float>();
+}
+
 // Runs group(rt, g, r0, res) over all groups of channels and tiles of up to RT_MAX rows; threads split
-// the groups, so each weight byte is read from memory once per ROW_BLOCK rows.
+// the groups, so each weight byte is read from memory once per ROW_BLOCK rows. Row r's N outputs go to
+// yp + r * ld (a slice of a wider output: the parts of a `Stack` slot).
 template <typename Group>
-torch::Tensor run_groups(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias, const float* post_scale,
-                         Group group) {
+void run_groups_into(int64_t R, int64_t N, const float* bp, const float* post_scale, Group group, float* yp,
+                     int64_t ld) {
   using V = Lanes;
-  auto y = torch::empty({R, N}, torch::kFloat32);
-  float* yp = y.data_ptr<float>();
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
-                "bias must be a contiguous float32 [out] tensor");
-    bp = bias->data_ptr<float>();
-  }
   at::parallel_for(0, N / NCH, 1, [&](int64_t begin, int64_t end) {
     V::F res[RT_MAX];
     for (int64_t rb = 0; rb < R; rb += ROW_BLOCK) {
@@ -320,11 +352,18 @@ torch::Tensor run_groups(int64_t R, int64_t N, const c10::optional<torch::Tensor
         for (int64_t r0 = rb; r0 < re; r0 += RT_MAX) {
           const int rt = static_cast<int>(std::min<int64_t>(RT_MAX, re - r0));
           group(rt, g, r0, res);
-          for (int r = 0; r < rt; ++r) V::store(yp + (r0 + r) * N + g * NCH, V::fma(res[r], ps, bv));
+          for (int r = 0; r < rt; ++r) V::store(yp + (r0 + r) * ld + g * NCH, V::fma(res[r], ps, bv));
         }
       }
     }
   });
+}
+
+template <typename Group>
+torch::Tensor run_groups(int64_t R, int64_t N, const c10::optional<torch::Tensor>& bias, const float* post_scale,
+                         Group group) {
+  auto y = torch::empty({R, N}, torch::kFloat32);
+  run_groups_into(R, N, bias_ptr(bias, N), post_scale, group, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -551,51 +590,345 @@ torch::Tensor block_tail_f16(const torch::Tensor& x, const torch::Tensor& att, c
   return y;
 }
 
-torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
-                        const c10::optional<torch::Tensor>& bias) {
+void check_q8(const torch::Tensor& qw, const torch::Tensor& scale) {
   TORCH_CHECK(qw.dim() == 4 && qw.size(2) == NCH && qw.size(3) == 4 && qw.scalar_type() == torch::kInt8 &&
                   qw.is_contiguous(), "qw must be int8 [out / channels, in / 4, channels, 4] (quant.interleave_int8)");
-  const int64_t N = qw.size(0) * NCH, K = qw.size(1) * 4, R = x.size(0);
-  check_input(x, K);
-  TORCH_CHECK(K % QK == 0, "int8 layers need in_features divisible by 32");
-  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(),
+  TORCH_CHECK(qw.size(1) * 4 % QK == 0, "int8 layers need in_features divisible by 32");
+  TORCH_CHECK(scale.numel() == qw.size(0) * NCH && scale.scalar_type() == torch::kFloat32 && scale.is_contiguous(),
               "scale must be float32 [out]");
+}
+
+// y[r, :N] (row stride ld) = x @ (q * s).T + b
+void q8_into(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale, const float* bp, float* y,
+             int64_t ld) {
+  const int64_t N = qw.size(0) * NCH, K = qw.size(1) * 4, R = x.size(0);
   const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, K);
   const int8_t* w = qw.data_ptr<int8_t>();
-  return run_groups(R, N, bias, scale.data_ptr<float>(), [&](int rt, int64_t g, int64_t r0, Lanes::F* res) {
+  run_groups_into(R, N, bp, scale.data_ptr<float>(), [&](int rt, int64_t g, int64_t r0, Lanes::F* res) {
     const int8_t* wg = w + g * NCH * K;
 #define Q8(RT) q8_group<RT>(a, r0, wg, K, res)
     MOASPEC_TILES(rt, Q8)
 #undef Q8
-  });
+  }, y, ld);
 }
 
-torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
-                        const torch::Tensor& offset, int64_t G, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor linear_q8(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
+                        const c10::optional<torch::Tensor>& bias) {
+  check_q8(qw, scale);
+  const int64_t N = qw.size(0) * NCH;
+  check_input(x, qw.size(1) * 4);
+  auto y = torch::empty({x.size(0), N}, torch::kFloat32);
+  q8_into(x, qw, scale, bias_ptr(bias, N), y.data_ptr<float>(), N);
+  return y;
+}
+
+void check_q4(const torch::Tensor& qw, const torch::Tensor& scale, const torch::Tensor& offset, int64_t G) {
   TORCH_CHECK(qw.dim() == 5 && qw.size(2) == 4 && qw.size(3) == NCH && qw.size(4) == 4 &&
                   qw.scalar_type() == torch::kUInt8 && qw.is_contiguous(),
               "qw must be uint8 [out / channels, in / 32, 4, channels, 4] (quant.interleave_int4)");
-  const int64_t N = qw.size(0) * NCH, K = qw.size(1) * QK, R = x.size(0);
-  check_input(x, K);
-  TORCH_CHECK(G % QK == 0 && K % G == 0, "group size must be a multiple of 32 dividing in_features");
+  const int64_t N = qw.size(0) * NCH, K = qw.size(1) * QK;
+  TORCH_CHECK(G > 0 && G % QK == 0 && K % G == 0, "group size must be a multiple of 32 dividing in_features");
   for (const auto* t : {&scale, &offset})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == N / NCH && t->size(1) == K / G && t->size(2) == NCH &&
                     t->scalar_type() == torch::kFloat16 && t->is_contiguous(),
                 "scale and offset must be float16 [out / channels, in / group, channels] (quant.interleave_int4)");
+}
+
+void q4_into(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale, const torch::Tensor& offset,
+             int64_t G, const float* bp, float* y, int64_t ld) {
+  const int64_t N = qw.size(0) * NCH, K = qw.size(1) * QK, R = x.size(0);
   const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, G);
   const uint8_t* w = qw.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const uint16_t* mp = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
   const int64_t ng = K / G;
-  return run_groups(R, N, bias, nullptr, [&](int rt, int64_t g, int64_t r0, Lanes::F* res) {
+  run_groups_into(R, N, bp, nullptr, [&](int rt, int64_t g, int64_t r0, Lanes::F* res) {
     const uint8_t* wg = w + g * NCH * (K / 2);
     const uint16_t *sg = sp + g * ng * NCH, *mg = mp + g * ng * NCH;
 #define Q4(RT) q4_group<RT>(a, r0, wg, sg, mg, K, G, res)
     MOASPEC_TILES(rt, Q4)
 #undef Q4
-  });
+  }, y, ld);
 }
 
+torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& scale,
+                        const torch::Tensor& offset, int64_t G, const c10::optional<torch::Tensor>& bias) {
+  check_q4(qw, scale, offset, G);
+  const int64_t N = qw.size(0) * NCH;
+  check_input(x, qw.size(1) * QK);
+  auto y = torch::empty({x.size(0), N}, torch::kFloat32);
+  q4_into(x, qw, scale, offset, G, bias_ptr(bias, N), y.data_ptr<float>(), N);
+  return y;
+}
+
+// ---- GGUF block formats: llama.cpp's weights multiplied as the file stores them (blocks.py) ----
+// Each tensor keeps the file's values and scales at (within 3% of) its bytes per weight, repacked by
+// `blocks.pack` into the int4 kernel's layout: per group of NCH channels and block of 32 inputs, 4 chunks
+// k of NCH x 4 bytes, byte j of a channel holding value 4k+j in its low nibble and 16+4k+j in its high one
+// (Q8_0: 8 chunks of signed bytes, values 4k..4k+3). Plane i of a block is chunk i / 2's low (i even) or
+// high (i odd) nibbles. The 5th bit (Q5_*) of plane i lies in bit i of the block's high-bit vector, at the
+// nibble's byte; Q6_K's 5th and 6th bits in bits 2 (i % 4) and 2 (i % 4) + 1 of vector i / 4: one shift and
+// one mask put them above the nibble.
+//   format  value                         tensors (C = NCH, B = K / 32 blocks, S = K / 256 super-blocks)
+//   Q4_0    d (q - 8)                     qs [N/C, B, 4, C, 4] u8, d [N/C, B, C] f16
+//   Q4_1    d q + m                       qs, dm [N/C, B, 2, C] f16 (d, m)
+//   Q5_0    d (q - 16)                    qs, qh [N/C, B, C, 4] u8, d
+//   Q5_1    d q + m                       qs, qh, dm
+//   Q8_0    d q                           qs [N/C, B, 8, C, 4] i8, d
+//   Q4_K    d sc[j] q - dmin m[j]         qs, dm [N/C, S, 2, C] f16 (d, dmin), scm [N/C, S, 2, 8, C] u8 (sc, m)
+//   Q5_K    as Q4_K with 5 bits           qs, qh, dm, scm
+//   Q6_K    d sc[i] (q - 32)              qs, qh [N/C, B, 2, C, 4] u8, d [N/C, S, C] f16, sc [N/C, S, 16, C] i8
+// (K-quants: j the block of 32 within the super-block of 256, i the half-block of 16.) Zero points stay
+// integer: sum(xq (q - Z)) = isum - Z sum(xq), exact with the activations' integer block (or half) sums;
+// a min adds min * (the block's dequantised sum); Q6_K's two scales a block multiply its planes' integer
+// sums (|.| < 2^24: exact in float). Then one conversion and one FMA per block and row, in block order, as in q4_group:
+// row-invariant the same way.
+enum BlockFmt : int { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kBlockFormats };
+
+struct BlockGroup {  // one group of channels' data
+  const uint8_t* qs;  // chunks
+  const uint8_t* qh;  // high-bit vectors (Q5_*, Q6_K)
+  const uint16_t* h;  // fp16 scales: d; d, m; or d, dmin
+  const uint8_t* sc;  // K-quants' sub-block scales (and mins)
+};
+
+template <int F, int RT, typename V = Lanes>
+void block_group(const QuantRows& a, int64_t r0, const BlockGroup& w, int64_t K, typename V::F* res) {
+  constexpr int HB = F == kQ5_0 || F == kQ5_1 || F == kQ5_K ? 1 : F == kQ6_K ? 2 : 0;  // high-bit vectors
+  constexpr int Z = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ6_K ? 32 : 0;           // integer zero point
+  constexpr bool MIN = F == kQ4_1 || F == kQ5_1, KQ = F == kQ4_K || F == kQ5_K;
+  constexpr int CH = F == kQ6_K || RT < 4 ? 2 : 1;  // integer chains a row (Q6_K: its planes' scales differ)
+  constexpr int64_t BW = QK / 2 * V::CH;            // bytes of nibbles a block
+  const int64_t nb = K / QK;
+  typename V::F acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = V::zerof();
+  typename V::F dsup = V::zerof(), msup = V::zerof();  // K-quants: the super-block's d (and dmin)
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w.qs + b * BW;
+    if constexpr (RT >= 4)
+      for (int64_t off = 0; off < BW; off += 256)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + Q_PREFETCH + off), _MM_HINT_T0);
+    typename V::I hb[2];
+    if constexpr (HB > 0) hb[0] = V::load(w.qh + b * HB * 4 * V::CH);
+    if constexpr (HB > 1) hb[1] = V::load(w.qh + b * HB * 4 * V::CH + 4 * V::CH);
+    typename V::I ia[RT][CH];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < CH; ++c) ia[r][c] = V::zero();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const auto p = V::load(wb + 4 * V::CH * k);
+      auto lo = V::nibbles(p, 0), hi = V::nibbles(p, 4);
+      if constexpr (HB == 1) {  // planes 2k, 2k + 1: bits 2k, 2k + 1 to bit 4
+        lo = V::or_(lo, V::bits(hb[0], 4 - 2 * k, 0x10));
+        hi = V::or_(hi, V::bits(hb[0], 3 - 2 * k, 0x10));
+      } else if constexpr (HB == 2) {  // bits 4 (k % 2) (+1) and 4 (k % 2) + 2 (+1) of vector k / 2 to bits 4-5
+        lo = V::or_(lo, V::bits(hb[k / 2], 4 - 4 * (k % 2), 0x30));
+        hi = V::or_(hi, V::bits(hb[k / 2], 2 - 4 * (k % 2), 0x30));
+      }
+      for (int r = 0; r < RT; ++r) {
+        const int8_t* x = a.q.data() + (r0 + r) * K + b * QK + 4 * k;
+        ia[r][0] = V::dot(ia[r][0], lo, V::bcast4(x));
+        ia[r][CH - 1] = V::dot(ia[r][CH - 1], hi, V::bcast4(x + 16));
+      }
+    }
+    const int64_t sb = b / 8, j = b % 8;  // K-quants: super-block, block within it
+    if constexpr (F == kQ6_K) {
+      if (j == 0) dsup = V::half(w.h + sb * V::CH);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc) + (sb * 16 + 2 * j) * V::CH;
+      const auto sc_lo = V::s8i(sc), sc_hi = V::s8i(sc + V::CH);
+      for (int r = 0; r < RT; ++r) {
+        const int32_t* s2 = a.s.data() + ((r0 + r) * nb + b) * 2;
+        const auto t = V::add(V::mullo(V::sub(ia[r][0], V::set1i(Z * s2[0])), sc_lo),
+                              V::mullo(V::sub(ia[r][1], V::set1i(Z * s2[1])), sc_hi));
+        acc[r] = V::fma(V::cvt(t), V::mul(dsup, V::set1(a.d[(r0 + r) * nb + b])), acc[r]);
+      }
+    } else {
+      typename V::F dw, mw = V::zerof();
+      if constexpr (KQ) {  // d * sc[j] and dmin * m[j] are exact in float
+        if (j == 0) {
+          dsup = V::half(w.h + 2 * sb * V::CH);
+          msup = V::half(w.h + (2 * sb + 1) * V::CH);
+        }
+        dw = V::mul(dsup, V::u8f(w.sc + (16 * sb + j) * V::CH));
+        mw = V::mul(msup, V::u8f(w.sc + (16 * sb + 8 + j) * V::CH));
+      } else if constexpr (MIN) {
+        dw = V::half(w.h + 2 * b * V::CH);
+        mw = V::half(w.h + (2 * b + 1) * V::CH);
+      } else {
+        dw = V::half(w.h + b * V::CH);
+      }
+      for (int r = 0; r < RT; ++r) {
+        auto s = ia[r][0];
+        if constexpr (CH == 2) s = V::add(s, ia[r][1]);
+        if constexpr (Z != 0) {
+          const int32_t* s2 = a.s.data() + ((r0 + r) * nb + b) * 2;
+          s = V::sub(s, V::set1i(Z * (s2[0] + s2[1])));
+        }
+        acc[r] = V::fma(V::cvt(s), V::mul(dw, V::set1(a.d[(r0 + r) * nb + b])), acc[r]);
+        if constexpr (MIN) acc[r] = V::fma(mw, V::set1(a.gsum[(r0 + r) * nb + b]), acc[r]);
+        if constexpr (KQ) acc[r] = V::fnma(mw, V::set1(a.gsum[(r0 + r) * nb + b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r) res[r] = acc[r];
+}
+
+// Q8_0: signed bytes as in q8_group, with a fp16 scale a block.
+template <int RT, typename V = Lanes>
+void q8_0_group(const QuantRows& a, int64_t r0, const BlockGroup& w, int64_t K, typename V::F* res) {
+  constexpr int CH = RT >= 4 ? 1 : 2;
+  constexpr int64_t BW = QK * V::CH;
+  const int64_t nb = K / QK;
+  typename V::F acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = V::zerof();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* wb = reinterpret_cast<const int8_t*>(w.qs) + b * BW;
+    if constexpr (RT >= 4)
+      for (int64_t off = 0; off < BW; off += 256)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + Q_PREFETCH + off), _MM_HINT_T0);
+    typename V::I ia[RT][CH];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < CH; ++c) ia[r][c] = V::zero();
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const auto wv = V::load(wb + 4 * V::CH * k);
+      const auto u = V::unsigned_w(wv);
+      for (int r = 0; r < RT; ++r)
+        ia[r][k % CH] = V::dot_w(ia[r][k % CH], wv, u, V::bcast4(a.q.data() + (r0 + r) * K + b * QK + 4 * k));
+    }
+    const auto dw = V::half(w.h + b * V::CH);
+    for (int r = 0; r < RT; ++r) {
+      auto s = ia[r][0];
+      if constexpr (CH == 2) s = V::add(s, ia[r][1]);
+#ifdef MOASPEC_VNNI
+      const int32_t* s2 = a.s.data() + ((r0 + r) * nb + b) * 2;
+      s = V::sub(s, V::set1i(128 * (s2[0] + s2[1])));  // the w + 128 correction, in integers
+#endif
+      acc[r] = V::fma(V::cvt(s), V::mul(dw, V::set1(a.d[(r0 + r) * nb + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) res[r] = acc[r];
+}
+
+template <int F, int RT>
+void block_tile(const QuantRows& a, int64_t r0, const BlockGroup& w, int64_t K, Lanes::F* res) {
+  if constexpr (F == kQ8_0)
+    q8_0_group<RT>(a, r0, w, K, res);
+  else
+    block_group<F, RT>(a, r0, w, K, res);
+}
+
+template <int F>
+void block_tiles(int rt, const QuantRows& a, int64_t r0, const BlockGroup& w, int64_t K, Lanes::F* res) {
+#define BT(RT) block_tile<F, RT>(a, r0, w, K, res)
+  MOASPEC_TILES(rt, BT)
+#undef BT
+}
+
+using BlockTiles = void (*)(int, const QuantRows&, int64_t, const BlockGroup&, int64_t, Lanes::F*);
+constexpr BlockTiles BLOCK_TILES[kBlockFormats] = {block_tiles<kQ4_0>, block_tiles<kQ4_1>, block_tiles<kQ5_0>,
+                                                   block_tiles<kQ5_1>, block_tiles<kQ8_0>, block_tiles<kQ4_K>,
+                                                   block_tiles<kQ5_K>, block_tiles<kQ6_K>};
+constexpr const char* BLOCK_NAMES[kBlockFormats] = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"};
+
+// Checks a format's tensors (blocks.pack's layout, above) and returns (N, K).
+std::pair<int64_t, int64_t> check_blocks(int f, const std::vector<torch::Tensor>& t) {
+  TORCH_CHECK(f >= 0 && f < kBlockFormats, "unknown block format ", f);
+  const char* name = BLOCK_NAMES[f];
+  TORCH_CHECK(!t.empty() && t[0].dim() == 5, name, ": qs must be [out / channels, in / 32, chunks, channels, 4]");
+  const int64_t C = NCH, G = t[0].size(0), B = t[0].size(1), S = B / 8;
+  const bool kq = f >= kQ4_K;
+  TORCH_CHECK(!kq || B % 8 == 0, name, ": in_features must be a multiple of 256");
+  using Shape = std::vector<int64_t>;
+  const Shape qs = {G, B, f == kQ8_0 ? 8 : 4, C, 4}, q5 = {G, B, C, 4}, q6 = {G, B, 2, C, 4}, d = {G, B, C},
+              dm = {G, B, 2, C}, kdm = {G, S, 2, C}, scm = {G, S, 2, 8, C};
+  const auto u8 = torch::kUInt8, i8 = torch::kInt8, f16 = torch::kFloat16;
+  std::vector<std::pair<Shape, c10::ScalarType>> want;
+  switch (f) {
+    case kQ4_0: want = {{qs, u8}, {d, f16}}; break;
+    case kQ4_1: want = {{qs, u8}, {dm, f16}}; break;
+    case kQ5_0: want = {{qs, u8}, {q5, u8}, {d, f16}}; break;
+    case kQ5_1: want = {{qs, u8}, {q5, u8}, {dm, f16}}; break;
+    case kQ8_0: want = {{qs, i8}, {d, f16}}; break;
+    case kQ4_K: want = {{qs, u8}, {kdm, f16}, {scm, u8}}; break;
+    case kQ5_K: want = {{qs, u8}, {q5, u8}, {kdm, f16}, {scm, u8}}; break;
+    default: want = {{qs, u8}, {q6, u8}, {{G, S, C}, f16}, {{G, S, 16, C}, i8}};
+  }
+  TORCH_CHECK(t.size() == want.size(), name, " takes ", want.size(), " tensors, not ", t.size(), " (blocks.pack)");
+  for (size_t i = 0; i < want.size(); ++i)
+    TORCH_CHECK(t[i].sizes() == c10::IntArrayRef(want[i].first) && t[i].scalar_type() == want[i].second &&
+                    t[i].is_contiguous(),
+                name, ": tensor ", i, " must be contiguous ", c10::toString(want[i].second), " ",
+                c10::IntArrayRef(want[i].first), ", not ", t[i].scalar_type(), " ", t[i].sizes(),
+                " (blocks.pack for ", NCH, " channels)");
+  return {G * C, B * QK};
+}
+
+void blocks_into(int f, const std::vector<torch::Tensor>& t, const torch::Tensor& x, const float* bp, float* y,
+                 int64_t ld) {
+  const int64_t N = t[0].size(0) * NCH, K = t[0].size(1) * QK, R = x.size(0);
+  const QuantRows a = quantize_rows(x.data_ptr<float>(), R, K, QK);
+  const bool hb = f == kQ5_0 || f == kQ5_1 || f == kQ5_K || f == kQ6_K;
+  const torch::Tensor* h = &t[hb ? 2 : 1];
+  const torch::Tensor* sc = f >= kQ4_K ? &t[hb ? 3 : 2] : nullptr;
+  const uint8_t *qs = static_cast<const uint8_t*>(t[0].data_ptr()), *qh = hb ? t[1].data_ptr<uint8_t>() : nullptr;
+  const uint16_t* hp = reinterpret_cast<const uint16_t*>(h->data_ptr<at::Half>());
+  const uint8_t* scp = sc ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr;
+  // each tensor's first dimension is the channel group
+  const int64_t qs_g = t[0].stride(0), qh_g = hb ? t[1].stride(0) : 0, h_g = h->stride(0), sc_g = sc ? sc->stride(0) : 0;
+  const BlockTiles tiles = BLOCK_TILES[f];
+  run_groups_into(R, N, bp, nullptr, [&](int rt, int64_t g, int64_t r0, Lanes::F* res) {
+    const BlockGroup w{qs + g * qs_g, qh ? qh + g * qh_g : nullptr, hp + g * h_g, scp ? scp + g * sc_g : nullptr};
+    tiles(rt, a, r0, w, K, res);
+  }, y, ld);
+}
+
+// One linear layer (or one part of a `Stack` slot): kind 0 int8 [q, scale], 1 int4 [q, scale, offset] with
+// `group` inputs a scale, 2 + f the GGUF block format f (blocks.FORMATS) with blocks.pack's tensors; bias
+// float32 [N] or empty.
+struct Part {
+  int64_t kind = 0, group = 0, N = 0, K = 0;
+  std::vector<torch::Tensor> t;
+  torch::Tensor bias;
+};
+
+Part make_part(int64_t kind, std::vector<torch::Tensor> t, torch::Tensor bias, int64_t group) {
+  Part p{kind, group, 0, 0, std::move(t), bias.defined() ? bias : torch::empty({0})};
+  if (kind == 0) {
+    TORCH_CHECK(p.t.size() == 2, "an int8 part is [q, scale]");
+    check_q8(p.t[0], p.t[1]);
+    p.N = p.t[0].size(0) * NCH, p.K = p.t[0].size(1) * 4;
+  } else if (kind == 1) {
+    TORCH_CHECK(p.t.size() == 3, "an int4 part is [q, scale, offset]");
+    check_q4(p.t[0], p.t[1], p.t[2], group);
+    p.N = p.t[0].size(0) * NCH, p.K = p.t[0].size(1) * QK;
+  } else {
+    std::tie(p.N, p.K) = check_blocks(static_cast<int>(kind - 2), p.t);
+  }
+  TORCH_CHECK(p.bias.numel() == 0 || (p.bias.numel() == p.N && p.bias.scalar_type() == torch::kFloat32 &&
+                                       p.bias.is_contiguous()), "bias must be a contiguous float32 [out] tensor or empty");
+  return p;
+}
+
+// y[r, :N] (row stride ld) = x @ W.T + b
+void part_into(const Part& p, const torch::Tensor& x, float* y, int64_t ld) {
+  const float* bp = p.bias.numel() ? p.bias.data_ptr<float>() : nullptr;
+  if (p.kind == 0)
+    q8_into(x, p.t[0], p.t[1], bp, y, ld);
+  else if (p.kind == 1)
+    q4_into(x, p.t[0], p.t[1], p.t[2], p.group, bp, y, ld);
+  else
+    blocks_into(static_cast<int>(p.kind - 2), p.t, x, bp, y, ld);
+}
+
+torch::Tensor linear_part(const torch::Tensor& x, int64_t kind, const std::vector<torch::Tensor>& tensors,
+                          const c10::optional<torch::Tensor>& bias, int64_t group) {
+  const Part p = make_part(kind, tensors, bias.has_value() ? *bias : torch::Tensor(), group);
+  check_input(x, p.K);
+  auto y = torch::empty({x.size(0), p.N}, torch::kFloat32);
+  part_into(p, x, y.data_ptr<float>(), p.N);
+  return y;
+}
 
 struct AttendArgs {
   const float *q, *k, *v;  // one query row; its KV head's keys and values
@@ -706,16 +1039,11 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 
 
 // ---- the decoder layers of a pass in one call ----
-// A quantised layer as `Linear` runs it: int8 (group 0) or int4 with `group` inputs per scale; an absent
-// offset or bias is an empty tensor.
-struct QLin {
-  torch::Tensor q, scale, offset, bias;
-  int64_t group = 0;
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    const c10::optional<torch::Tensor> b = bias.numel() ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
-    return group ? linear_q4(x, q, scale, offset, group, b) : linear_q8(x, q, scale, b);
-  }
-};
+// A layer's four linear slots (qkv, o, gate_up, down) are each a list of parts (`Part`: int8, int4 or a GGUF
+// block format) whose outputs lie side by side: a GGUF may keep q, k and v, or gate and up, in different
+// formats. A part is (kind, tensors, bias (None or empty: none), group) as `make_part` takes it.
+using PartSpec = std::tuple<int64_t, std::vector<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>;
+using LayerSpec = std::tuple<torch::Tensor, torch::Tensor, std::vector<std::vector<PartSpec>>>;
 
 // Every decoder layer of a model with quantised weights, run over one sequence's new rows without
 // returning to Python between layers (a 28-layer decode step made ~20 torch calls a layer). The steps
@@ -723,15 +1051,28 @@ struct QLin {
 // both give the same bits.
 class Stack {
  public:
-  Stack(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> groups, int64_t heads,
-        int64_t kv_heads, int64_t head_dim, double eps, double scale)
+  Stack(std::vector<LayerSpec> layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : H_(heads), Hkv_(kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
-    TORCH_CHECK(tensors.size() == groups.size(), "one group list a layer");
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const auto& t = tensors[i];
-      TORCH_CHECK(t.size() == 18 && groups[i].size() == 4, "a layer is ln1, ln2 and 4 x (q, scale, offset, bias)");
-      Layer l{t[0], t[1], {}};
-      for (int j = 0; j < 4; ++j) l.lin[j] = QLin{t[2 + 4 * j], t[3 + 4 * j], t[4 + 4 * j], t[5 + 4 * j], groups[i][j]};
+    for (auto& [ln1, ln2, slots] : layers) {
+      TORCH_CHECK(slots.size() == 4, "a layer is ln1, ln2 and 4 slots (qkv, o, gate_up, down) of parts");
+      const int64_t D = ln1.numel(), qd = H_ * d_, kvd = Hkv_ * d_;
+      TORCH_CHECK(ln1.scalar_type() == torch::kFloat32 && ln1.is_contiguous() && ln2.sizes() == ln1.sizes() &&
+                      ln2.scalar_type() == torch::kFloat32 && ln2.is_contiguous(), "ln1 and ln2 must be contiguous float32 [hidden]");
+      Layer l{ln1, ln2, {}};
+      int64_t K[4], N[4];
+      for (int j = 0; j < 4; ++j) {
+        TORCH_CHECK(!slots[j].empty(), "slot ", j, " has no parts");
+        N[j] = 0;
+        for (auto& [kind, tensors, bias, group] : slots[j]) {
+          l.slot[j].push_back(make_part(kind, std::move(tensors), bias.has_value() ? *bias : torch::Tensor(), group));
+          K[j] = l.slot[j][0].K;
+          TORCH_CHECK(l.slot[j].back().K == K[j], "the parts of slot ", j, " take different input sizes");
+          N[j] += l.slot[j].back().N;
+        }
+      }
+      TORCH_CHECK(K[0] == D && N[0] == qd + 2 * kvd && K[1] == qd && N[1] == D && K[2] == D && N[2] % 2 == 0 &&
+                      K[3] == N[2] / 2 && N[3] == D, "the slots' shapes do not chain: qkv ", K[0], "->", N[0], ", o ", K[1],
+                  "->", N[1], ", gate_up ", K[2], "->", N[2], ", down ", K[3], "->", N[3], " for hidden size ", D);
       layers_.push_back(std::move(l));
     }
   }
@@ -753,7 +1094,7 @@ class Stack {
     for (int64_t i = 0; i < L; ++i) {
       if (std::find(hidden.begin(), hidden.end(), i) != hidden.end()) out.push_back(x);
       const Layer& l = layers_[i];
-      auto qkv = l.lin[0](rms_rows(x, l.ln1, eps_));
+      auto qkv = run(l.slot[0], rms_rows(x, l.ln1, eps_));
       rope_(qkv, cos, sin_signed, qd + kvd);
       const float* src = qkv.data_ptr<float>();
       const int64_t N = qkv.size(1);
@@ -773,8 +1114,8 @@ class Stack {
       float* rp = rows.data_ptr<float>();
       for (int64_t h = 0; h < H_; ++h)
         for (int64_t r = 0; r < n; ++r) std::memcpy(rp + r * qd + h * d, ap + (h * n + r) * d, d * sizeof(float));
-      x = add(x, l.lin[1](rows));
-      x = add(x, l.lin[3](silu_mul(l.lin[2](rms_rows(x, l.ln2, eps_)))));
+      x = add(x, run(l.slot[1], rows));
+      x = add(x, run(l.slot[3], silu_mul(run(l.slot[2], rms_rows(x, l.ln2, eps_)))));
     }
     out[0] = x;
     return out;
@@ -783,8 +1124,19 @@ class Stack {
  private:
   struct Layer {
     torch::Tensor ln1, ln2;
-    QLin lin[4];  // qkv, o, gate_up, down
+    std::vector<Part> slot[4];  // qkv, o, gate_up, down
   };
+  static torch::Tensor run(const std::vector<Part>& parts, const torch::Tensor& x) {  // the parts side by side
+    int64_t N = 0;
+    for (const auto& p : parts) N += p.N;
+    auto y = torch::empty({x.size(0), N}, torch::kFloat32);
+    float* yp = y.data_ptr<float>();
+    for (const auto& p : parts) {
+      part_into(p, x, yp, N);
+      yp += p.N;
+    }
+    return y;
+  }
   static torch::Tensor add(const torch::Tensor& x, torch::Tensor y) {  // x + y, into y
     float* yp = y.data_ptr<float>();
     const float* xp = x.data_ptr<float>();
@@ -803,7 +1155,8 @@ int64_t channels() { return NCH; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the compute functions let go of the GIL: a server's other threads run while a pass computes
   m.def("channels", &channels, "output channels the integer kernels interleave (quant.interleave_int8/int4)");
-  m.doc() = "weight-only int8/int4 linear layers with block-quantised activations, few-row fp16 layers (AVX2)";
+  m.doc() = "weight-only int8/int4 and GGUF block-format linear layers with block-quantised activations, few-row fp16 "
+            "layers (AVX2)";
   m.def("linear_q8", &linear_q8, py::call_guard<py::gil_scoped_release>(), "y = x @ (q * s).T + b", py::arg("x"), py::arg("qw"), py::arg("scale"),
         py::arg("bias") = py::none());
   m.def("linear_f16", &linear_f16, py::call_guard<py::gil_scoped_release>(), "y = x @ w.T + b, fp16 weights, fp32 sums", py::arg("x"), py::arg("w"),
@@ -820,12 +1173,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin_signed"), py::arg("cols"));
   m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(g) * u of [g | u]", py::arg("gate_up"));
   py::class_<Stack>(m, "Stack")
-      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, int64_t, int64_t, int64_t,
-                    double, double>(),
-           py::arg("tensors"), py::arg("groups"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("scale"))
+      .def(py::init<std::vector<LayerSpec>, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
       .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("cos"),
            py::arg("sin_signed"), py::arg("mask"), py::arg("hidden"));
+  m.def("linear_part", &linear_part, py::call_guard<py::gil_scoped_release>(),
+        "y = x @ W.T + b for one part: kind 0 int8 [q, scale], 1 int4 [q, scale, offset] (group), 2 + f GGUF block "
+        "format f (blocks.pack's tensors)", py::arg("x"), py::arg("kind"), py::arg("tensors"), py::arg("bias") = py::none(),
+        py::arg("group") = 0);
   m.def("linear_q4", &linear_q4, py::call_guard<py::gil_scoped_release>(), "y = x @ (q * s + m).T + b, groups of G inputs", py::arg("x"), py::arg("qw"),
         py::arg("scale"), py::arg("offset"), py::arg("group"), py::arg("bias") = py::none());
 }

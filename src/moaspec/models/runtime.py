@@ -15,23 +15,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from moaspec.errors import ContextLengthError, UserError
-from moaspec.models import quant
+from moaspec.models import blocks, quant
 from moaspec.models.linear import (
     AUTO,
     FEW_ROWS,
+    GGUF,
     QUANTISED,
     WEIGHT_CHOICES,
     Linear,
+    Parts,
     WeightMode,
     runnable_mode,
     tensor_mode,
 )
+from moaspec.models.weights import RowTable, WeightSource, gguf_path, open_weights
 
 # Prompt rows per pass. Small enough that a prompt beside other sequences in a batched pass holds them up
 # for little more than a decode step; large enough to run near the kernels' prefill speed.
@@ -124,16 +127,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def resolve_weights(mode: str, folder: str | Path, device: str | torch.device = "cpu") -> str:
-    """The weight mode `auto` stands for: the fastest whose answers keep the model's own quality. int4
-    where the model's own weights are 4-bit on int4's grid (a Q4_0/Q4_1 GGUF such as SmolLM2's: int4 holds
-    them bit for bit), else int8 (Qwen 0.5B against fp32: perplexity 4.637 vs 4.644, HumanEval 0.439 vs
-    0.433, where int4 costs 1.8 points); fp16 where the compiled kernels cannot run. Other modes as given."""
+    """The weight mode `auto` stands for: the fastest whose answers keep the model's own quality. A GGUF
+    model runs in its file's own formats (`gguf`: each tensor in its block format, through the kernels of
+    `blocks.py`); a folder of float weights runs int4 where they lie on int4's grid, else int8 (Qwen 0.5B
+    against fp32: perplexity 4.637 vs 4.644, HumanEval 0.439 vs 0.433, where int4 costs 1.8 points); fp16
+    where the compiled kernels cannot run. Other modes as given."""
     if mode not in WEIGHT_CHOICES:
         raise UserError(f"unknown weight mode {mode!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
+    from_gguf = gguf_path(folder) is not None
+    if mode == GGUF and not from_gguf:
+        raise UserError(f"--weights gguf runs a GGUF file's own formats, and {folder} holds float weights; "
+                        "choose int8, int4 or fp16")
     if mode != AUTO:
         return mode
     if torch.device(device).type != "cpu" or not quant.available():
         return "fp16"
+    if from_gguf:
+        return GGUF
     return "int4" if _native_int4(Path(folder)) else "int8"
 
 
@@ -147,44 +157,98 @@ def _native_int4(folder: Path, rows: int = 64) -> bool:
     return False
 
 
+def source_linear(src: WeightSource, names: list[str], mode: str, kind: str) -> Linear | Parts:
+    """One kernel for the weights `names` stacked by output rows (q|k|v, gate|up), read from `src` tensor by
+    tensor. In `gguf` mode a tensor keeps its file's block format where a kernel exists (stacked ones share
+    one kernel where they share a format, else run as `Parts`); one in another format is de-quantised and
+    runs in int8. `kind`: the module path that `tensor_mode` keys its choice on."""
+    if mode == GGUF:
+        found = [src.blocks(n) for n in names]
+        fmts = {f[0] for f in found if f is not None}
+        if None not in found and len(fmts) == 1:
+            fmt, inp = found[0][0], found[0][2]
+            raw = found[0][1] if len(found) == 1 else np.concatenate([f[1] for f in found])
+            if blocks.supported(fmt, raw.shape[0], inp):
+                lin = Linear.from_blocks(blocks.pack(fmt, raw, raw.shape[0], inp), _bias(src, names))
+                for n in names:
+                    src.release(n)
+                return lin
+        if len(names) > 1:
+            return Parts([source_linear(src, [n], mode, kind) for n in names])
+    weight = torch.cat([src.tensor(n) for n in names]) if len(names) > 1 else src.tensor(names[0])
+    lin = Linear(weight, _bias(src, names), tensor_mode(mode, kind, weight))
+    for n in names:
+        src.release(n)
+    return lin
+
+
+def _stack_parts(lin: Linear | Parts | None) -> list[tuple] | None:
+    """A layer slot as the compiled `Stack` takes it: parts (kind, tensors, bias, group) whose outputs lie side
+    by side; kind 0 int8 [q, scale], 1 int4 [q, scale, offset] with its group, 2.. a GGUF block format
+    (`blocks.stack_part`). None where a part has no compiled kernel (fp16, fp32)."""
+    if lin is None:
+        return None
+    parts = []
+    for part in lin.parts if isinstance(lin, Parts) else [lin]:
+        bias = torch.empty(0) if part.bias is None else part.bias
+        if part.blocks is not None:
+            parts.append((*blocks.stack_part(part.blocks), bias, 0))
+        elif part.q is not None:
+            parts.append((0, [part.q, part.scale], bias, 0) if part.mode == "int8" else
+                         (1, [part.q, part.scale, part.offset], bias, part.group))
+        else:
+            return None
+    return parts
+
+
+def _bias(src: WeightSource, names: list[str]) -> torch.Tensor | None:
+    """The stacked biases of weights `names` (None where none has one; zeros for those without)."""
+    names_b = [n.removesuffix("weight") + "bias" for n in names]
+    if not any(src.has(b) for b in names_b):
+        return None
+    parts = []
+    for n, b in zip(names, names_b, strict=True):
+        if src.has(b):
+            parts.append(src.tensor(b).float().reshape(-1))
+        else:
+            found = src.blocks(n)
+            rows = found[1].shape[0] if found is not None else src.tensor(n).shape[0]
+            parts.append(torch.zeros(rows))
+    return torch.cat(parts)
+
+
 class Layer:
     """One decoder layer's weights; the math lives in `Transformer.layer_forward`. Outside fp32 (kept
     unfused for training through the frozen layers) q|k|v and gate|up are fused into one kernel call
     each: one dispatch and one activation quantisation instead of three and two, which a decode step of
     small matrices feels."""
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, mode: WeightMode):
-        def weight(name: str) -> torch.Tensor:
-            return w[f"{prefix}.{name}.weight"]
-
-        def lin(name: str, bias: bool = False) -> Linear:
-            b = w.get(f"{prefix}.{name}.bias") if bias else None
-            return Linear(weight(name), b, tensor_mode(mode, name, weight(name)))
+    def __init__(self, src: WeightSource, prefix: str, mode: WeightMode, cfg: ModelConfig):
+        def lin(*names: str) -> Linear | Parts:
+            return source_linear(src, [f"{prefix}.{n}.weight" for n in names], mode,
+                                 "self_attn.qkv" if len(names) == 3 else names[0])
 
         self.q = self.k = self.v = self.gate = self.up = self.qkv = self.gate_up = None
         if mode != "fp32":
-            names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-            biases = [w.get(f"{prefix}.{n}.bias") for n in names]
-            bias = None if any(b is None for b in biases) else torch.cat(biases)
-            qkv = torch.cat([weight(n) for n in names])
-            self.qkv = Linear(qkv, bias, tensor_mode(mode, "self_attn.qkv", qkv))
-            self.qkv_sizes = [weight(n).shape[0] for n in names]
-            self.gate_up = Linear(torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")]), None, mode)
+            self.qkv = lin("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            kv = cfg.num_kv_heads * cfg.head_dim
+            self.qkv_sizes = [cfg.num_heads * cfg.head_dim, kv, kv]
+            self.gate_up = lin("mlp.gate_proj", "mlp.up_proj")
         else:
-            self.q = lin("self_attn.q_proj", True)
-            self.k = lin("self_attn.k_proj", True)
-            self.v = lin("self_attn.v_proj", True)
+            self.q = lin("self_attn.q_proj")
+            self.k = lin("self_attn.k_proj")
+            self.v = lin("self_attn.v_proj")
             self.gate = lin("mlp.gate_proj")
             self.up = lin("mlp.up_proj")
         self.o = lin("self_attn.o_proj")
         self.down = lin("mlp.down_proj")
-        self.ln1 = w[f"{prefix}.input_layernorm.weight"].float()
-        self.ln2 = w[f"{prefix}.post_attention_layernorm.weight"].float()
+        self.ln1 = src.tensor(f"{prefix}.input_layernorm.weight").float()
+        self.ln2 = src.tensor(f"{prefix}.post_attention_layernorm.weight").float()
 
     def linears(self) -> list[Linear]:
         """The layer's kernels as stored (fused or not)."""
-        return [lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.gate_up, self.down)
-                if lin is not None]
+        found = (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.gate_up, self.down)
+        return [part for lin in found if lin is not None for part in (lin.parts if isinstance(lin, Parts) else [lin])]
 
     def project_qkv(self, h: torch.Tensor, counts: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -341,19 +405,17 @@ class Transformer:
         self.device = torch.device(device)
         weights = resolve_weights(weights, self.folder, self.device)
         self.weights = weights = runnable_mode(weights, self.device)  # fp16 where int8/int4 cannot run
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
-            raise UserError(f"no *.safetensors in {self.folder}")
-        w: dict[str, torch.Tensor] = {}
-        for f in files:
-            w.update(load_file(str(f), device=str(self.device)))
-        self.embed = w["model.embed_tokens.weight"].float()
-        self.layers = [Layer(w, f"model.layers.{i}", weights) for i in range(cfg.num_layers)]
-        self.norm = w["model.norm.weight"].float()
-        head = w.get("lm_head.weight", self.embed) if not cfg.tie_embeddings else self.embed
-        self.lm_head_weight = head  # kept fp32 for drafters that share the frozen head
-        self.lm_head = Linear(head, None, tensor_mode(weights, "lm_head", head))
-        del w
+        self.source = src = open_weights(self.folder, cfg.num_heads, cfg.num_kv_heads, self.device)
+        embed = "model.embed_tokens.weight"
+        # in the file's formats the embedding stays in its blocks, rows de-quantised as they are looked up
+        self._embedding = RowTable(src, embed) if weights == GGUF and src.blocks(embed) is not None \
+            else src.tensor(embed).float()
+        self._embed_full: torch.Tensor | None = None
+        self.layers = [Layer(src, f"model.layers.{i}", weights, cfg) for i in range(cfg.num_layers)]
+        self.norm = src.tensor("model.norm.weight").float()
+        self._head_name = embed if cfg.tie_embeddings or not src.has("lm_head.weight") else "lm_head.weight"
+        self.lm_head = source_linear(src, [self._head_name], weights, "lm_head")
+        self._head_full: torch.Tensor | None = None
         self.max_seq_len = min(max_seq_len, cfg.max_position)
         self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
         self.sin_signed = signed_sin(self.sin)  # the decoding path's table (`rope_rows`)
@@ -377,21 +439,14 @@ class Transformer:
         Python between layers (~4 ms of a 14 ms Qwen 0.5B int4 decode step)."""
         if self.kernels is None or self.weights not in QUANTISED or not self.row_invariant:
             return None
-        none = torch.empty(0)
-        tensors, groups = [], []
+        layers = []
         for layer in self.layers:
-            lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if any(lin is None or lin.q is None for lin in lins):
+            slots = [_stack_parts(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(slot is None for slot in slots):
                 return None
-            t = [layer.ln1.contiguous(), layer.ln2.contiguous()]
-            for lin in lins:
-                t += [lin.q, lin.scale, none if lin.mode == "int8" else lin.offset,
-                      none if lin.bias is None else lin.bias]
-            tensors.append(t)
-            groups.append([0 if lin.mode == "int8" else lin.group for lin in lins])
+            layers.append((layer.ln1.contiguous(), layer.ln2.contiguous(), slots))
         cfg = self.cfg
-        return self.kernels.Stack(tensors, groups, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps,
-                                  self.scale)
+        return self.kernels.Stack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, self.scale)
 
     def few_row_kernels(self, layers: bool | None = None, attention: bool = True) -> None:
         """Choose the kernels of passes of 1-8 rows (where the compiled ones built): fp16 layers through
@@ -469,6 +524,35 @@ class Transformer:
         entry["fbgemm_ms"] = {k: round(v, 2) for k, v in best[False].items()}
         entry["few_rows"] = sum(best[True].values()) <= sum(best[False].values())
         return entry
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """The embedding table [V, D] in float32 (what drafters share). A table kept in the file's blocks is
+        de-quantised the first time it is asked for, so plain decoding never holds the float copy."""
+        if isinstance(self._embedding, torch.Tensor):
+            return self._embedding
+        if self._embed_full is None:
+            self._embed_full = self._embedding.full()
+        return self._embed_full
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head [V, D] in float32 (the embedding when tied), read on first use, for drafters that share
+        the frozen head."""
+        if self._head_name == "model.embed_tokens.weight":
+            return self.embed
+        if self._head_full is None:
+            self._head_full = self.source.tensor(self._head_name).float()
+            self.source.release(self._head_name)
+        return self._head_full
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings [n, D] of token ids [n]."""
+        if isinstance(self._embedding, torch.Tensor):
+            return self._embedding[tokens]
+        if self._embed_full is not None:
+            return self._embed_full[tokens]
+        return self._embedding.rows(tokens).to(self.device)
 
     def new_cache(self, size: int | None = None) -> KVCache:
         """A cache of `size` slots (default: the model's context) for one more session."""
@@ -556,7 +640,7 @@ class Transformer:
         one = len(seqs) == 1
         cos_all = cos[0] if one else torch.cat(cos)
         sin_all = sin[0] if one else torch.cat(sin)
-        embeds = [self.embed[s.tokens] if s.embeds is None else s.embeds for s in seqs]
+        embeds = [self.embed_rows(s.tokens) if s.embeds is None else s.embeds for s in seqs]
         x = embeds[0] if one else torch.cat(embeds)
         wanted = {i for s in seqs for i in s.hidden_layers}
         hidden: dict[int, torch.Tensor] = {}
@@ -707,5 +791,5 @@ class Transformer:
         return {k: min(v) * 1e3 for k, v in times.items()}  # least disturbed: other load only adds time
 
     def num_parameters(self) -> int:
-        return sum(t.numel() for t in (self.embed, self.norm)) + sum(
+        return self.cfg.vocab_size * self.cfg.hidden_size + self.norm.numel() + sum(
             lin.in_features * lin.out_features for layer in self.layers for lin in layer.linears())

