@@ -48,7 +48,7 @@ def _prompts(tok) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------- the batched pass
-@pytest.mark.parametrize("weights", ["fp16", "int8", "int4", "fp32"])
+@pytest.mark.parametrize("weights", ["fp16", "int8", "int4", "gguf", "fp32"])
 def test_forward_batch_gives_each_sequence_its_lone_bits(smol_folder, weights):
     model = Transformer(smol_folder, weights=weights, max_seq_len=512)
     assert model.batch_invariant() == (weights != "fp32")  # fp32 runs its sequences one after another

@@ -136,3 +136,32 @@ def test_an_unsupported_family_or_rope_is_refused_at_once(tmp_path, home):
         assert time.perf_counter() - t < 1.0
         assert "llama and qwen2" in str(e.value) or "RoPE" in str(e.value)
     assert not _models_written(home)
+
+
+CHATS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Sum 2 and 3."},
+     {"role": "assistant", "content": "5"}, {"role": "user", "content": "And <b>4</b> & \"5\"?"}],
+    [{"role": "user", "content": "naïve 日本 😀\n\n  indented"}, {"role": "assistant", "content": "ok"}],
+]
+
+
+def test_our_tokenizer_and_chat_template_match_transformers(smol_folder):
+    """The tokenizer the runtime loads (no transformers) renders every chat, encodes and decodes as transformers'
+    own tokenizer of the same folder does."""
+    from transformers import AutoTokenizer
+
+    from moaspec.models.store import load_tokenizer
+
+    ours, theirs = load_tokenizer(smol_folder), AutoTokenizer.from_pretrained(str(smol_folder))
+    for chat in CHATS:
+        for gen in (True, False):
+            text = theirs.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
+            assert ours.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False) == text
+            assert ours.apply_chat_template(chat, add_generation_prompt=gen) == theirs.encode(
+                text, add_special_tokens=False)
+    ids = torch.randint(0, len(ours), (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert (ours.eos_token_id, ours.pad_token_id) == (theirs.eos_token_id, theirs.pad_token_id)
+    assert ours.convert_tokens_to_ids("<|im_end|>") == theirs.convert_tokens_to_ids("<|im_end|>")

@@ -301,9 +301,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "0 <= P < 1 (EAGLE-2's confidence stop; default 0: off)")
 
 
-WEIGHTS_HELP = ("weight storage of the linear layers: auto = the fastest mode at the model's own quality (int4 for a "
-                "model shipped in 4 bits such as SmolLM2, else int8; fp16 where the compiled kernels cannot run); "
-                "fp32 the exact reference; fp16, int8, int4[-gGROUP] (see docs/results.md)")
+WEIGHTS_HELP = ("weight storage of the linear layers: auto = the fastest mode at the model's own quality (a GGUF's own "
+                "block formats, gguf; for float weights int4 where they lie on its grid, else int8; fp16 where the "
+                "compiled kernels cannot run); fp32 the exact reference; fp16, int8, int4[-gGROUP] "
+                "(see docs/results.md)")
 
 
 def _add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

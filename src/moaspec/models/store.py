@@ -553,11 +553,10 @@ def reference_model(folder: str | os.PathLike[str]):
 
 
 def load_tokenizer(folder: str | os.PathLike[str]):
-    """The model's tokenizer and chat template (transformers, offline: the store has the files)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    """The model's tokenizer and chat template (`models.tokenizer.Tokenizer`: no transformers needed)."""
+    from moaspec.models.tokenizer import Tokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    return Tokenizer(folder)
 
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
