@@ -88,6 +88,7 @@ def test_data_builder_resumes_without_duplicates(tmp_path):
         D.Builder(D.DataConfig(model="smollm2-135m", prompts=41), tmp_path)
 
 
+@pytest.mark.slow  # a minute; the fault matrix (make test-slow) stops the data job the same way at random moments
 def test_data_builder_stops_on_sigterm_after_the_round_written(tmp_path, monkeypatch):
     """SIGTERM (a session's end) during a round of answers: the round is finished and written, the
     handler put back, and the same command resumes to the goal without writing anything twice."""

@@ -126,8 +126,9 @@ def main() -> int:
     print(f"wrote {f16} ({f16.stat().st_size / 1e9:.1f} GB) in {time.perf_counter() - t:.0f} s", flush=True)
     t = time.perf_counter()
     threads = str(os.cpu_count() or 2)
-    subprocess.run([str(quantize), str(f16), str(final), args.type, threads], check=True,
-                   stdout=subprocess.DEVNULL)
+    done = subprocess.run([str(quantize), str(f16), str(final), args.type, threads], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"llama-quantize failed ({done.returncode}): {done.stderr[-2000:]}")
     f16.unlink()
     print(f"wrote {final} ({final.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", flush=True)
     return 0

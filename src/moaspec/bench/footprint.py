@@ -6,9 +6,9 @@ verification of a k-token draft tree). Each side runs in its own process, so its
     python -m moaspec.bench.footprint --model qwen2.5-coder-1.5b
     python -m moaspec.bench.footprint --model bench-out/shaped/qwen2.5-7b-Q4_K_M.gguf --rounds 1
 
-llama.cpp's figures are its own timers: `llama-bench` for prefill (pp512), decode (tg) and the k-row passes
-(ppK: one batch of K tokens, empty cache; ours are after 128 cached tokens), `llama-completion` for load
-time and memory.
+Both sides decode after the 512-token prompt and run the k-row passes after 128 cached tokens. llama.cpp's
+figures are its own timers: `llama-bench` for prefill (pp512), decode (tg at depth 512) and the k-row passes
+(ppK at depth 128: one batch of K tokens), `llama-completion` for load time and memory.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 from moaspec import llamacpp
 
 KS = (1, 2, 4, 8, 16)
+CONTEXT = 128  # cached tokens before a k-row pass
 
 
 def _child(model: str, weights: str, prompt: int, new: int, ks: tuple[int, ...]) -> dict:
@@ -52,7 +53,7 @@ def _child(model: str, weights: str, prompt: int, new: int, ks: tuple[int, ...])
         tok = m.forward(tok).logits[-1].argmax()[None]
         m.advance(1)
     decode = new / (time.perf_counter() - t)
-    costs = m.pass_costs(ks, context=128, reps=5)
+    costs = m.pass_costs(ks, context=CONTEXT, reps=5)
     return {"weights": m.weights, "load_s": load, "prefill_tok_s": prefill, "decode_tok_s": decode,
             "pass_ms": {str(k): v for k, v in costs.items()}}
 
@@ -90,18 +91,23 @@ def _peak(cmd: list[str]) -> tuple[str, str, float]:
 
 
 def llama(gguf: Path, prompt: int, new: int, ks: tuple[int, ...], threads: int) -> dict:
-    bench = llamacpp.bin_dir() / "llama-bench"
-    out, _, _ = _peak([str(bench), "-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, (prompt, *ks))),
-                       "-n", str(new), "-r", "2", "-o", "json"])
-    rows = json.loads(out)
-    tps = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
+    """llama.cpp's figures at the depths ours are measured at: prefill from an empty cache, decode after the
+    prompt, k-row passes after `CONTEXT` tokens."""
+    def bench(*args: str) -> dict[tuple[int, int], float]:
+        out, _, _ = _peak([str(llamacpp.bin_dir() / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "2",
+                           "-o", "json", *args])
+        return {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in json.loads(out)}
+
+    pp = bench("-p", str(prompt), "-n", "0")
+    tg = bench("-p", "0", "-n", str(new), "-d", str(prompt))
+    rows = bench("-p", ",".join(map(str, ks)), "-n", "0", "-d", str(CONTEXT))
     _, err, rss = _peak([str(llamacpp.bin_dir() / llamacpp.PLAIN), "-m", str(gguf), "-p", "Hello", "-n", "16",
                          "-t", str(threads), "-c", str(prompt + new + 64), "--temp", "0", "-no-cnv",
                          "--no-display-prompt", "--simple-io"])
     load = re.search(r"load time =\s*([\d.]+) ms", err)
     return {"weights": "file", "load_s": float(load.group(1)) / 1e3 if load else float("nan"),
-            "prefill_tok_s": tps[(prompt, 0)], "decode_tok_s": tps[(0, new)],
-            "pass_ms": {str(k): k / tps[(k, 0)] * 1e3 for k in ks}, "peak_rss_mb": rss}
+            "prefill_tok_s": pp[(prompt, 0)], "decode_tok_s": tg[(0, new)],
+            "pass_ms": {str(k): k / rows[(k, 0)] * 1e3 for k in ks}, "peak_rss_mb": rss}
 
 
 def main() -> int:
