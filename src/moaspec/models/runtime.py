@@ -769,26 +769,28 @@ class Transformer:
             if self.length + n <= self.max_seq_len:
                 self.forward(torch.zeros(n, dtype=torch.long, device=self.device))
 
-    def pass_costs(self, ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), context: int = 128,
-                   reps: int = 3) -> dict[int, float]:
+    def pass_costs(self, ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), context: int = 32,
+                   reps: int = 2) -> dict[int, float]:
         """Milliseconds of one pass over k new rows after `context` cached tokens: what
         verifying a k-row draft tree costs on this machine. Leaves the cache empty. The defaults are a model's
         first-run calibration (`SpecDecoder.pass_costs`): up to 32 rows, the most a CPU tree verifies, best of
-        3 (with 64 rows and 5 repetitions it took ~6 s of a Qwen 1.5B first run)."""
+        2 after one untimed widest pass, over a short context (on a Qwen 1.5B first run: ~6 s with 64 rows, best of 5,
+        at 128 tokens; ~3 s with 32 rows, best of 3; ~1.6 s now)."""
         self.reset()
         ks = tuple(k for k in ks if context + k <= self.max_seq_len)
         self.forward(torch.zeros(context, dtype=torch.long, device=self.device))
         self.advance(context)
         times: dict[int, list[float]] = {k: [] for k in ks}
-        for rep in range(reps + 1):  # rounds over every k, so a burst of other load hits all k alike
+        if ks:  # the widest pass first, untimed: it touches every weight page and sizes the buffers
+            self.forward(torch.full((max(ks),), 100, dtype=torch.long, device=self.device))
+        for _ in range(reps):  # rounds over every k, so a burst of other load hits all k alike
             for k in ks:
                 toks = torch.full((k,), 100, dtype=torch.long, device=self.device)
                 t = time.perf_counter()
                 self.forward(toks)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
-                if rep:  # round 0 warms the kernels up
-                    times[k].append(time.perf_counter() - t)
+                times[k].append(time.perf_counter() - t)
         self.reset()
         return {k: min(v) * 1e3 for k, v in times.items()}  # least disturbed: other load only adds time
 
