@@ -20,9 +20,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moaspec.errors import UserError
+from moaspec.models.families import Family, gguf_archs, gguf_family
 
-# The families this runtime runs (one architecture string each in a GGUF).
-FAMILIES = ("llama", "qwen2")
 FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
 
 _MAGIC = b"GGUF"
@@ -114,7 +113,8 @@ class _Cursor:
         for _ in range(n):
             size = self.count()
             if self.pos + size > len(self.buf):
-                raise GGUFError(f"{self.path} ends inside its header: the file is truncated; re-download or reinstall it")
+                raise GGUFError(f"{self.path} ends inside its header: the file is truncated; re-download or "
+                                "reinstall it")
             self.pos += size
         return LazyStrings(bytes(self.buf[begin:self.pos]), n)
 
@@ -253,58 +253,67 @@ class GGUFFile:
 
 # ---------------------------------------------------------------------- configuration
 
-def _hf_names(arch: str) -> dict[str, str]:
-    """GGUF tensor name pieces -> Hugging Face module paths (llama and qwen2 share them)."""
-    del arch
-    return {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-            "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-            "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+TOKENIZERS = ("gpt2", "llama")  # byte-level BPE; SentencePiece (BPE by scores, byte fallback)
+
+
+def file_family(gguf: GGUFFile) -> Family:
+    """The family of the file's architecture, or a GGUFError naming what runs."""
+    fam = gguf_family(gguf.architecture)
+    if fam is None:
+        raise GGUFError(f"{gguf.path.name}: unsupported architecture {gguf.architecture!r}; this runtime runs "
+                        f"GGUF files of {', '.join(gguf_archs())} (Llama 2/3.x and Mistral files are 'llama')")
+    return fam
 
 
 def hf_name(gguf: GGUFFile, name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor (None for tensors the runtime does not use)."""
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-    if name in top:
-        return top[name]
+    if name in _TOP:
+        return _TOP[name]
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
-        piece = _hf_names(gguf.architecture).get(parts[2])
+        piece = file_family(gguf).tensors.get(parts[2])
         if piece is not None:
             return f"model.layers.{parts[1]}.{piece}.{parts[3]}"
     return None
 
 
-def check_family(gguf: GGUFFile) -> None:
-    """Refuse at once, before anything is written, a file whose family or RoPE this runtime cannot run."""
-    arch = gguf.architecture
-    if arch not in FAMILIES:
-        raise GGUFError(f"{gguf.path.name}: unsupported architecture {arch!r}; this runtime runs "
-                        f"{' and '.join(FAMILIES)} models")
+def check_family(gguf: GGUFFile) -> Family:
+    """Refuse at once, before anything is written, a file whose family, RoPE or tokenizer this runtime cannot
+    run; return its family."""
+    fam = file_family(gguf)
     scaling = gguf.key("rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in gguf.tensors:
-        raise GGUFError(f"{gguf.path.name}: RoPE scaling ({scaling or 'rope_freqs'}) is not supported yet; "
-                        "positions past the original context would be wrong")
-    if gguf.meta.get("tokenizer.ggml.model") != "gpt2":
-        raise GGUFError(f"{gguf.path.name}: tokenizer {gguf.meta.get('tokenizer.ggml.model')!r} is not supported "
-                        "yet; this runtime reads byte-level BPE (gpt2) vocabularies")
+    if scaling not in (None, "none", "linear", "yarn"):
+        raise GGUFError(f"{gguf.path.name}: RoPE scaling {scaling!r} is not supported; this runtime runs linear "
+                        "and YaRN scaling, Llama 3's (rope_freqs) and Phi-3's LongRoPE")
+    if (gguf.key("rope.dimension_count") or 0) not in (0, int(gguf.key("attention.key_length") or 0) or
+                                                       int(gguf.key("embedding_length")) //
+                                                       int(gguf.key("attention.head_count"))):
+        raise GGUFError(f"{gguf.path.name}: RoPE over part of each head (partial rotary) is not supported yet")
+    if gguf.meta.get("tokenizer.ggml.model") not in TOKENIZERS:
+        raise GGUFError(f"{gguf.path.name}: tokenizer {gguf.meta.get('tokenizer.ggml.model')!r} is not supported; "
+                        "this runtime reads byte-level BPE (gpt2) and SentencePiece (llama) vocabularies")
     if "token_embd.weight" not in gguf.tensors:
         raise GGUFError(f"{gguf.path.name} has no token_embd.weight tensor: not a causal language model file")
+    return fam
 
 
 def hf_config(gguf: GGUFFile) -> dict:
     """The Hugging Face style config.json of the model the file holds (`ModelConfig.from_folder` reads it)."""
-    check_family(gguf)
-    arch = gguf.architecture
+    fam = check_family(gguf)
     heads = int(gguf.key("attention.head_count"))
     hidden = int(gguf.key("embedding_length"))
     embd = gguf.tensors["token_embd.weight"]
     eos = gguf.meta.get("tokenizer.ggml.eos_token_id")
     eot = gguf.meta.get("tokenizer.ggml.eot_token_id")
-    biased = "blk.0.attn_q.bias" in gguf.tensors
-    return {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "model_type": arch,
+    stops = [int(t) for t in (eos, eot) if t is not None]
+    if fam.stop_tokens:  # the turn ends the family's chat format uses, where the vocabulary has them
+        wanted = set(fam.stop_tokens)
+        stops += [i for i, t in enumerate(gguf.meta["tokenizer.ggml.tokens"]) if t in wanted and i not in stops]
+    config = {
+        "architectures": [fam.hf_class],
+        "model_type": fam.name,
         "vocab_size": int(embd.shape[1]),
         "hidden_size": hidden,
         "intermediate_size": int(gguf.key("feed_forward_length")),
@@ -316,18 +325,29 @@ def hf_config(gguf: GGUFFile) -> dict:
         "rms_norm_eps": float(gguf.key("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(gguf.key("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
-        "attention_bias": biased,
+        "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
         "bos_token_id": gguf.meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": [int(t) for t in (eos, eot) if t is not None] or None,
+        "eos_token_id": stops or None,
         "torch_dtype": "float32",
     }
+    scaling, factor = gguf.key("rope.scaling.type"), gguf.key("rope.scaling.factor")
+    if scaling == "linear" and factor:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    elif scaling == "yarn":
+        orig = int(gguf.key("rope.scaling.original_context_length"))
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": orig}
+    if "rope_freqs.weight" in gguf.tensors:  # Llama 3's scaling as per-frequency divisors
+        config["rope_factors"] = gguf.dequantize("rope_freqs.weight").reshape(-1).tolist()
+    if fam.gguf_config is not None:
+        config.update(fam.gguf_config(gguf))
+    return config
 
 
 def unpermute_rows(gguf: GGUFFile, name: str, heads: int, kv_heads: int) -> np.ndarray | None:
     """Row order that undoes llama.cpp's permutation of a llama file's q and k weights (its converter
     interleaves each head's two rotary halves; this runtime rotates halves, as transformers does), or None
     where the tensor is stored in order."""
-    if gguf.architecture != "llama":
+    if not file_family(gguf).permuted_qk:
         return None
     piece = name.split(".")[2] if name.startswith("blk.") else ""
     if piece not in ("attn_q", "attn_k"):
@@ -356,11 +376,16 @@ def build_tokenizer(gguf: GGUFFile):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     meta = gguf.meta
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]  # type: ignore[assignment]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # type: ignore[union-attr]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
+    if meta.get("tokenizer.ggml.model") == "llama":
+        tok = _sentencepiece(gguf, tokens)
+    else:
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # type: ignore[union-attr]
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre == "smollm":  # digits one by one, then GPT-2's byte-level split (SmolLM2's own tokenizer)
+    if meta.get("tokenizer.ggml.model") == "llama":
+        pass  # SentencePiece: no pre-tokenizer (`_sentencepiece` set the normalizer and decoder)
+    elif pre == "smollm":  # digits one by one, then GPT-2's byte-level split (SmolLM2's own tokenizer)
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False)])
     elif pre in _SPLITS:
@@ -369,7 +394,8 @@ def build_tokenizer(gguf: GGUFFile):
                                                                               use_regex=False)])
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    if meta.get("tokenizer.ggml.model") != "llama":
+        tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type")
     types = [] if types is None else list(types)  # type: ignore[arg-type]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
@@ -380,6 +406,34 @@ def build_tokenizer(gguf: GGUFFile):
     if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
         tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
                                                            special_tokens=[(tokens[bos], int(bos))])
+    return tok
+
+
+def _sentencepiece(gguf: GGUFFile, tokens: list[str]):
+    """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` llama: Llama 2, Mistral, Gemma, Phi-3) as a
+    `tokenizers` BPE: merges ranked by the score of the piece they make (SentencePiece merges the pair whose
+    result scores highest), unknown bytes as <0xNN> pieces, spaces as U+2581."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    meta = gguf.meta
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise GGUFError(f"{gguf.path.name}: a SentencePiece vocabulary without scores cannot be read")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in zip(tokens, scores, strict=False):
+        local = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        merges.extend((a, b, float(score)) for a, b in local)
+    merges.sort(key=lambda m: m[2], reverse=True)
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=tokens[int(unk)] if unk is not None
+                               else None, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend("\u2581")] if prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    tail = [decoders.Strip(" ", 1, 0)] if prefix else []
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *tail])
     return tok
 
 

@@ -16,7 +16,7 @@ import torch
 
 from moaspec.errors import UserError
 from moaspec.models.linear import WeightMode, runnable_mode
-from moaspec.models.runtime import Layer, ModelConfig, resolve_weights, rope_tables
+from moaspec.models.runtime import Layer, ModelConfig, fused_pieces, read_norm, resolve_weights
 from moaspec.models.weights import open_weights
 
 
@@ -44,19 +44,19 @@ class PartialTarget:
         self.cfg = cfg = ModelConfig.from_folder(self.folder)
         self.device = torch.device(device)
         self.weights = runnable_mode(resolve_weights(weights, self.folder, self.device), self.device)
-        self.source = open_weights(self.folder, cfg.num_heads, cfg.num_kv_heads, self.device)
+        self.source = open_weights(self.folder, cfg.num_heads, cfg.num_kv_heads, self.device, fused_pieces(cfg))
         embed = "model.embed_tokens.weight"
         self.embed = self.source.tensor(embed).float()
         head = "lm_head.weight"
         tied = cfg.tie_embeddings or not self.source.has(head)
         self.lm_head_weight = self.embed if tied else self.source.tensor(head).float()
-        self.norm = self.source.tensor("model.norm.weight").float()
+        self.norm = read_norm(self.source, "model.norm.weight", cfg)
         for name in (embed, head, "model.norm.weight"):
             self.source.release(name)
         self._tail: list[Layer] = []
         self.tail_layers(tail)
         self.max_seq_len = min(max_seq_len, cfg.max_position)
-        self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
+        self.cos, self.sin = cfg.rope_tables(self.max_seq_len, self.device)
 
     @property
     def tail(self) -> int:

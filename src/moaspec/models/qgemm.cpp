@@ -549,6 +549,51 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   return a;
 }
 
+// [g | u] [R, 2M] -> gelu(g) * u [R, M], gelu's tanh form (Gemma's gelu_pytorch_tanh):
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh from e^-2|z|; each element alone.
+torch::Tensor gelu_mul(const torch::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 16 == 0 && gu.scalar_type() == torch::kFloat32 && gu.is_contiguous(),
+              "gate_up must be contiguous float32 [rows, 2 * M] with M a multiple of 8");
+  const int64_t R = gu.size(0), M = gu.size(1) / 2;
+  auto a = torch::empty({R, M}, torch::kFloat32);
+  const float* g = gu.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  at::parallel_for(0, R, R >= 32 ? 16 : R, [&](int64_t r0, int64_t r1) {
+    const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 c0 = _mm256_set1_ps(0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f), m2 = _mm256_set1_ps(-2.f);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < M; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + r * 2 * M + j), uv = _mm256_loadu_ps(g + r * 2 * M + M + j);
+        const __m256 z = _mm256_mul_ps(c0, _mm256_fmadd_ps(_mm256_mul_ps(c1, gv), _mm256_mul_ps(gv, gv), gv));
+        const __m256 az = _mm256_andnot_ps(sign, z);
+        const __m256 e = exp256(_mm256_mul_ps(m2, az));  // e^-2|z|
+        const __m256 th = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
+                                       _mm256_and_ps(sign, z));
+        _mm256_storeu_ps(ap + r * M + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, th)), uv));
+      }
+  });
+  return a;
+}
+
+// RMS norm in place over each head of d columns of y [R, N], `heads` heads from column col0, weight w [d]
+// (Qwen3's and Gemma 3's q and k norms); the sums as `rms_rows` takes them.
+void rms_heads_(torch::Tensor y, const torch::Tensor& w, double eps, int64_t col0, int64_t heads) {
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.is_contiguous(), "y must be contiguous float32 [rows, cols]");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "norm weight must be float32 [head_dim]");
+  const int64_t R = y.size(0), N = y.size(1), d = w.numel();
+  TORCH_CHECK(col0 >= 0 && col0 + heads * d <= N, "the heads lie outside y");
+  float* yp = y.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = yp + r * N + col0 + h * d;
+      double ss = 0.0;
+      for (int64_t k = 0; k < d; ++k) ss += double(v[k]) * v[k];
+      const float inv = 1.f / std::sqrt(float(ss / d) + float(eps));
+      for (int64_t k = 0; k < d; ++k) v[k] = v[k] * inv * wp[k];
+    }
+}
+
 // y = rms_norm(x) @ w.T (x @ w.T without `ln`) with RoPE (rotate-half, the sign folded into `sin_signed`) on the first
 // `rope_cols` output columns, head by head: x [R, K]; cos, sin_signed [P, d] (row r at position row
 // r % P: one row for rows at one position, one per row, or the L layers of the LSA).
@@ -1043,7 +1088,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 // block format) whose outputs lie side by side: a GGUF may keep q, k and v, or gate and up, in different
 // formats. A part is (kind, tensors, bias (None or empty: none), group) as `make_part` takes it.
 using PartSpec = std::tuple<int64_t, std::vector<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>;
-using LayerSpec = std::tuple<torch::Tensor, torch::Tensor, std::vector<std::vector<PartSpec>>>;
+// A layer: ln1, ln2, its 4 slots, its optional norms [q_norm, k_norm, post_attention, post_ffn] (undefined: none),
+// which RoPE table and which mask it takes (0 the model's global one, 1 the sliding-window layers').
+using LayerSpec = std::tuple<torch::Tensor, torch::Tensor, std::vector<std::vector<PartSpec>>,
+                             std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t>;
 
 // Every decoder layer of a model with quantised weights, run over one sequence's new rows without
 // returning to Python between layers (a 28-layer decode step made ~20 torch calls a layer). The steps
@@ -1051,14 +1099,25 @@ using LayerSpec = std::tuple<torch::Tensor, torch::Tensor, std::vector<std::vect
 // both give the same bits.
 class Stack {
  public:
-  Stack(std::vector<LayerSpec> layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
-      : H_(heads), Hkv_(kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
-    for (auto& [ln1, ln2, slots] : layers) {
+  Stack(std::vector<LayerSpec> layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+        int64_t activation)
+      : H_(heads), Hkv_(kv_heads), d_(head_dim), eps_(eps), scale_(scale), gelu_(activation == 1) {
+    TORCH_CHECK(activation == 0 || activation == 1, "activation: 0 silu, 1 gelu (tanh)");
+    for (auto& [ln1, ln2, slots, norms, rope_i, mask_i] : layers) {
       TORCH_CHECK(slots.size() == 4, "a layer is ln1, ln2 and 4 slots (qkv, o, gate_up, down) of parts");
       const int64_t D = ln1.numel(), qd = H_ * d_, kvd = Hkv_ * d_;
       TORCH_CHECK(ln1.scalar_type() == torch::kFloat32 && ln1.is_contiguous() && ln2.sizes() == ln1.sizes() &&
                       ln2.scalar_type() == torch::kFloat32 && ln2.is_contiguous(), "ln1 and ln2 must be contiguous float32 [hidden]");
-      Layer l{ln1, ln2, {}};
+      TORCH_CHECK(norms.size() == 4 && (rope_i == 0 || rope_i == 1) && (mask_i == 0 || mask_i == 1),
+                  "a layer's extras are 4 optional norms, a RoPE table index and a mask index (0 or 1)");
+      Layer l{ln1, ln2, {}, {}, rope_i, mask_i};
+      for (int j = 0; j < 4; ++j) {
+        if (norms[j].has_value() && norms[j]->defined()) {
+          TORCH_CHECK(norms[j]->scalar_type() == torch::kFloat32 && norms[j]->is_contiguous() &&
+                          norms[j]->numel() == (j < 2 ? head_dim : D), "norm ", j, " must be contiguous float32 of its size");
+          l.norm[j] = *norms[j];
+        }
+      }
       int64_t K[4], N[4];
       for (int j = 0; j < 4; ++j) {
         TORCH_CHECK(!slots[j].empty(), "slot ", j, " has no parts");
@@ -1081,21 +1140,27 @@ class Stack {
   // start..start+n; cos, sin_signed [n, d]; mask [n, start + n] or causal. Returns the last layer's output
   // and the inputs of the layers in `hidden`.
   std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& kc, const torch::Tensor& vc, int64_t start,
-                                     const torch::Tensor& cos, const torch::Tensor& sin_signed,
-                                     const c10::optional<torch::Tensor>& mask, const std::vector<int64_t>& hidden) {
+                                     const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin_signed,
+                                     const std::vector<c10::optional<torch::Tensor>>& masks,
+                                     const std::vector<int64_t>& hidden) {
     const int64_t n = x.size(0), d = d_, qd = H_ * d, kvd = Hkv_ * d, L = static_cast<int64_t>(layers_.size());
     TORCH_CHECK(kc.dim() == 4 && kc.size(0) == L && kc.size(1) == Hkv_ && kc.size(3) == d && kc.is_contiguous() &&
                     vc.sizes() == kc.sizes() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
                     vc.scalar_type() == torch::kFloat32, "kc and vc must be contiguous float32 [layers, kv_heads, slots, head_dim]");
     TORCH_CHECK(start + n <= kc.size(2), "the cache has no room for these rows");
-    TORCH_CHECK(cos.size(0) == n, "one rope row a new row");
+    TORCH_CHECK(!cos.empty() && cos.size() == sin_signed.size() && !masks.empty(), "one RoPE table at least, and one mask");
+    for (const auto& c : cos) TORCH_CHECK(c.size(0) == n, "one rope row a new row");
     std::vector<torch::Tensor> out(1);
     const int64_t S = kc.size(2);
     for (int64_t i = 0; i < L; ++i) {
       if (std::find(hidden.begin(), hidden.end(), i) != hidden.end()) out.push_back(x);
       const Layer& l = layers_[i];
+      TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()) && l.mask < static_cast<int64_t>(masks.size()),
+                  "layer ", i, " asks for a RoPE table or mask not given");
       auto qkv = run(l.slot[0], rms_rows(x, l.ln1, eps_));
-      rope_(qkv, cos, sin_signed, qd + kvd);
+      if (l.norm[0].defined()) rms_heads_(qkv, l.norm[0], eps_, 0, H_);
+      if (l.norm[1].defined()) rms_heads_(qkv, l.norm[1], eps_, qd, Hkv_);
+      rope_(qkv, cos[l.rope], sin_signed[l.rope], qd + kvd);
       const float* src = qkv.data_ptr<float>();
       const int64_t N = qkv.size(1);
       float *kp = kc.data_ptr<float>() + i * Hkv_ * S * d, *vp = vc.data_ptr<float>() + i * Hkv_ * S * d;
@@ -1108,14 +1173,17 @@ class Stack {
           std::memcpy(vp + (h * S + start + r) * d, src + r * N + qd + kvd + h * d, d * sizeof(float));
         }
       }
-      const auto att = attention(q, kc.select(0, i), vc.select(0, i), start + n, mask, scale_);
+      const auto att = attention(q, kc.select(0, i), vc.select(0, i), start + n, masks[l.mask], scale_);
       auto rows = torch::empty({n, qd}, torch::kFloat32);
       const float* ap = att.data_ptr<float>();
       float* rp = rows.data_ptr<float>();
       for (int64_t h = 0; h < H_; ++h)
         for (int64_t r = 0; r < n; ++r) std::memcpy(rp + r * qd + h * d, ap + (h * n + r) * d, d * sizeof(float));
-      x = add(x, run(l.slot[1], rows));
-      x = add(x, run(l.slot[3], silu_mul(run(l.slot[2], rms_rows(x, l.ln2, eps_)))));
+      auto o = run(l.slot[1], rows);
+      x = add(x, l.norm[2].defined() ? rms_rows(o, l.norm[2], eps_) : o);
+      const auto gu = run(l.slot[2], rms_rows(x, l.ln2, eps_));
+      auto down = run(l.slot[3], gelu_ ? gelu_mul(gu) : silu_mul(gu));
+      x = add(x, l.norm[3].defined() ? rms_rows(down, l.norm[3], eps_) : down);
     }
     out[0] = x;
     return out;
@@ -1125,6 +1193,8 @@ class Stack {
   struct Layer {
     torch::Tensor ln1, ln2;
     std::vector<Part> slot[4];  // qkv, o, gate_up, down
+    torch::Tensor norm[4];      // q, k (per head), after attention, after the MLP; undefined: none
+    int64_t rope, mask;
   };
   static torch::Tensor run(const std::vector<Part>& parts, const torch::Tensor& x) {  // the parts side by side
     int64_t N = 0;
@@ -1146,6 +1216,7 @@ class Stack {
   std::vector<Layer> layers_;
   int64_t H_, Hkv_, d_;
   double eps_, scale_;
+  bool gelu_;
 };
 
 }  // namespace
@@ -1171,12 +1242,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_rows, py::call_guard<py::gil_scoped_release>(), "x * rsqrt(mean(x^2) + eps) * w, row by row", py::arg("x"), py::arg("w"), py::arg("eps"));
   m.def("rope_", &rope_, "RoPE in place on the first cols columns of y", py::arg("y"), py::arg("cos"),
         py::arg("sin_signed"), py::arg("cols"));
+  m.def("gelu_mul", &gelu_mul, py::call_guard<py::gil_scoped_release>(), "gelu_tanh(g) * u of [g | u]", py::arg("gate_up"));
+  m.def("rms_heads_", &rms_heads_, py::call_guard<py::gil_scoped_release>(), "RMS norm in place over heads of y's columns",
+        py::arg("y"), py::arg("w"), py::arg("eps"), py::arg("col0"), py::arg("heads"));
   m.def("silu_mul", &silu_mul, py::call_guard<py::gil_scoped_release>(), "silu(g) * u of [g | u]", py::arg("gate_up"));
   py::class_<Stack>(m, "Stack")
-      .def(py::init<std::vector<LayerSpec>, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
-           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def(py::init<std::vector<LayerSpec>, int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("layers"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("activation") = 0)
       .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("cos"),
-           py::arg("sin_signed"), py::arg("mask"), py::arg("hidden"));
+           py::arg("sin_signed"), py::arg("masks"), py::arg("hidden"));
   m.def("linear_part", &linear_part, py::call_guard<py::gil_scoped_release>(),
         "y = x @ W.T + b for one part: kind 0 int8 [q, scale], 1 int4 [q, scale, offset] (group), 2 + f GGUF block "
         "format f (blocks.pack's tensors)", py::arg("x"), py::arg("kind"), py::arg("tensors"), py::arg("bias") = py::none(),

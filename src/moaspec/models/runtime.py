@@ -12,7 +12,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from moaspec.errors import ContextLengthError, UserError
-from moaspec.models import blocks, quant
+from moaspec.models import blocks, families, quant, rope
+from moaspec.models.families import GELU_TANH, Family
 from moaspec.models.linear import (
     AUTO,
     FEW_ROWS,
@@ -56,15 +57,31 @@ class ModelConfig:
     tie_embeddings: bool
     model_type: str
     eos_token_ids: tuple[int, ...]
+    # what the family spec (`families`) and its config add to Llama's block
+    family: Family = field(default_factory=lambda: families.family("llama"), compare=False)
+    rope_scaling: dict | None = field(default=None, compare=False)  # global layers' (`rope.inv_freq`)
+    rope_factors: tuple[float, ...] | None = None  # per-frequency divisors from a GGUF (Llama 3's rope_freqs)
+    local_rope_theta: float | None = None  # sliding-window layers' own RoPE base (Gemma 3)
+    windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for full attention ((): none anywhere)
+    attn_scale: float = 0.0  # of q.k (0: 1 / sqrt(head_dim))
+    embed_scale: float = 1.0
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
         c = json.loads((Path(folder) / "config.json").read_text())
-        if c.get("model_type") not in ("llama", "qwen2"):
-            raise UserError(f"unsupported architecture {c.get('model_type')!r}: this runtime runs llama and qwen2")
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise UserError(f"unsupported RoPE scaling {rope.get('rope_type')!r}")
+        fam = families.family(c.get("model_type"))
+        glob, local = _rope_params(c)
+        partial = glob.get("partial_rotary_factor", c.get("partial_rotary_factor")) or 1.0
+        if float(partial) != 1.0:
+            raise UserError(f"RoPE over part of each head (partial_rotary_factor {partial}) is not supported yet")
+        scaling = {k: v for k, v in glob.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in rope.ROPE_TYPES:
+            raise UserError(f"unsupported RoPE scaling {kind!r}; this runtime runs {', '.join(rope.ROPE_TYPES)}")
+        if kind in ("llama3", "yarn", "longrope"):
+            scaling.setdefault("original_max_position_embeddings", c.get("original_max_position_embeddings"))
+        if kind == "longrope" and not scaling.get("factor"):
+            scaling["factor"] = c["max_position_embeddings"] / scaling["original_max_position_embeddings"]
         eos = c.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         gen = Path(folder) / "generation_config.json"
@@ -72,6 +89,9 @@ class ModelConfig:
             g = json.loads(gen.read_text()).get("eos_token_id")
             eos += tuple(x for x in (g if isinstance(g, list) else [g]) if x is not None and x not in eos)
         heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+        windows = fam.layer_windows(c)
+        scalar = c.get("query_pre_attn_scalar")
         return cls(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
@@ -79,14 +99,45 @@ class ModelConfig:
             num_layers=c["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            head_dim=head_dim,
+            rope_theta=float(glob.get("rope_theta", 10000.0)),
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             max_position=int(c.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            model_type=c["model_type"],
+            tie_embeddings=bool(c.get("tie_word_embeddings", fam.embed_scale)),
+            model_type=fam.name,
             eos_token_ids=eos,
+            family=fam,
+            rope_scaling=None if kind == "default" else scaling,
+            rope_factors=tuple(c["rope_factors"]) if c.get("rope_factors") else None,
+            local_rope_theta=float(local["rope_theta"]) if local and any(windows) else None,
+            windows=windows if any(windows) else (),
+            attn_scale=float(scalar) ** -0.5 if scalar else 1.0 / math.sqrt(head_dim),
+            embed_scale=math.sqrt(c["hidden_size"]) if fam.embed_scale else 1.0,
         )
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
+
+    def rope_tables(self, length: int, device: torch.device | str = "cpu", local: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [length, head_dim] of the global layers, or with `local` of the sliding-window layers."""
+        if local and self.local_rope_theta is not None:
+            return rope.tables(self.local_rope_theta, self.head_dim, length, device)
+        return rope.tables(self.rope_theta, self.head_dim, length, device, self.rope_scaling, self.rope_factors)
+
+
+def _rope_params(c: dict) -> tuple[dict, dict | None]:
+    """(the global layers' RoPE parameters, the sliding-window layers' or None), each {rope_theta, rope_type,
+    ...}, from transformers 5's `rope_parameters` (flat, or per layer type) or 4's rope_theta + rope_scaling."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        return dict(params["full_attention"]), params.get("sliding_attention")
+    if isinstance(params, dict) and params:
+        return dict(params), None
+    glob = dict(c.get("rope_scaling") or {})
+    glob["rope_theta"] = c.get("rope_theta", 10000.0)
+    local = {"rope_theta": c["rope_local_base_freq"]} if c.get("rope_local_base_freq") else None
+    return glob, local
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -217,22 +268,44 @@ def _bias(src: WeightSource, names: list[str]) -> torch.Tensor | None:
     return torch.cat(parts)
 
 
+def fused_pieces(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Each layer's stacked tensors of a family that stacks them (Phi-3): name -> [(piece name, rows)]."""
+    rows = {"self_attn.q_proj": cfg.num_heads * cfg.head_dim, "self_attn.k_proj": cfg.num_kv_heads * cfg.head_dim,
+            "self_attn.v_proj": cfg.num_kv_heads * cfg.head_dim, "mlp.gate_proj": cfg.intermediate_size,
+            "mlp.up_proj": cfg.intermediate_size}
+    return {f"model.layers.{i}.{whole}.weight": [(f"model.layers.{i}.{p}.weight", rows[p]) for p in pieces]
+            for i in range(cfg.num_layers) for whole, pieces in cfg.family.fused.items()}
+
+
+def read_norm(src: WeightSource, name: str, cfg: ModelConfig) -> torch.Tensor:
+    """An RMS norm's weight as the block scales by it: a family that stores w - offset in Hugging Face
+    folders (Gemma: 1) gets it added back; its GGUF files hold w already."""
+    w = src.tensor(name).float()
+    if cfg.family.norm_offset and getattr(src, "gguf", None) is None:
+        w = w + cfg.family.norm_offset
+    return w
+
+
 class Layer:
-    """One decoder layer's weights; the math lives in `Transformer.layer_forward`. Outside fp32 (kept
-    unfused for training through the frozen layers) q|k|v and gate|up are fused into one kernel call
-    each: one dispatch and one activation quantisation instead of three and two, which a decode step of
-    small matrices feels."""
+    """One decoder layer's weights and its block's math, as its family (`cfg.family`) shapes it: norms, q/k
+    norms, activation, norms after attention and MLP. The target's passes (`Transformer.layer_forward`) and
+    the drafters' frozen target layers call `qkv_in`, `attn_out` and `ffn`; the compiled one-call `Stack`
+    runs the same steps with the same kernels. Outside fp32 (kept unfused for training through the frozen
+    layers) q|k|v and gate|up are fused into one kernel call each: one dispatch and one activation
+    quantisation instead of three and two, which a decode step of small matrices feels."""
 
     def __init__(self, src: WeightSource, prefix: str, mode: WeightMode, cfg: ModelConfig):
         def lin(*names: str) -> Linear | Parts:
             return source_linear(src, [f"{prefix}.{n}.weight" for n in names], mode,
                                  "self_attn.qkv" if len(names) == 3 else names[0])
 
+        fam = cfg.family
+        self.cfg = cfg
         self.q = self.k = self.v = self.gate = self.up = self.qkv = self.gate_up = None
+        kv = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_sizes = [cfg.num_heads * cfg.head_dim, kv, kv]
         if mode != "fp32":
             self.qkv = lin("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-            kv = cfg.num_kv_heads * cfg.head_dim
-            self.qkv_sizes = [cfg.num_heads * cfg.head_dim, kv, kv]
             self.gate_up = lin("mlp.gate_proj", "mlp.up_proj")
         else:
             self.q = lin("self_attn.q_proj")
@@ -242,13 +315,25 @@ class Layer:
             self.up = lin("mlp.up_proj")
         self.o = lin("self_attn.o_proj")
         self.down = lin("mlp.down_proj")
-        self.ln1 = src.tensor(f"{prefix}.input_layernorm.weight").float()
-        self.ln2 = src.tensor(f"{prefix}.post_attention_layernorm.weight").float()
+        self.ln1 = read_norm(src, f"{prefix}.input_layernorm.weight", cfg)
+        self.ln2 = read_norm(src, f"{prefix}.{fam.mlp_norm}.weight", cfg)
+        self.q_norm = self.k_norm = self.post_attn = self.post_ffn = None
+        if fam.qk_norm:
+            self.q_norm = read_norm(src, f"{prefix}.self_attn.q_norm.weight", cfg)
+            self.k_norm = read_norm(src, f"{prefix}.self_attn.k_norm.weight", cfg)
+        if fam.sandwich_norms:
+            self.post_attn = read_norm(src, f"{prefix}.post_attention_layernorm.weight", cfg)
+            self.post_ffn = read_norm(src, f"{prefix}.post_feedforward_layernorm.weight", cfg)
+        self.gelu = fam.activation == GELU_TANH
 
     def linears(self) -> list[Linear]:
         """The layer's kernels as stored (fused or not)."""
         found = (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.gate_up, self.down)
         return [part for lin in found if lin is not None for part in (lin.parts if isinstance(lin, Parts) else [lin])]
+
+    def norms(self) -> list[torch.Tensor | None]:
+        """[q_norm, k_norm, after attention, after the MLP] as the compiled `Stack` takes them (None: none)."""
+        return [self.q_norm, self.k_norm, self.post_attn, self.post_ffn]
 
     def project_qkv(self, h: torch.Tensor, counts: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,17 +342,53 @@ class Layer:
             return self.qkv(h, counts).split(self.qkv_sizes, -1)
         return self.q(h, counts), self.k(h, counts), self.v(h, counts)
 
+    def qkv_in(self, x: torch.Tensor, counts: list[int] | None = None, kernels=None) -> torch.Tensor:
+        """[q | k | v] [R, (H + 2 Hkv) d] of rows x [R, D] before RoPE: the input norm, the projection and the
+        family's q/k norms. `kernels`: the compiled steps (what the `Stack` runs, the same bits)."""
+        cfg = self.cfg
+        if kernels is not None and self.qkv is not None:
+            qkv = self.qkv(kernels.rms_norm(x.contiguous(), self.ln1, cfg.rms_eps), counts).contiguous()
+            if self.q_norm is not None:
+                kernels.rms_heads_(qkv, self.q_norm, cfg.rms_eps, 0, cfg.num_heads)
+                kernels.rms_heads_(qkv, self.k_norm, cfg.rms_eps, self.qkv_sizes[0], cfg.num_kv_heads)
+            return qkv
+        q, k, v = self.project_qkv(rms_norm_rows(x, self.ln1, cfg.rms_eps), counts)
+        if self.q_norm is not None:
+            R, d = q.shape[0], cfg.head_dim
+            q = rms_norm(q.reshape(R, -1, d), self.q_norm, cfg.rms_eps).reshape(R, -1)
+            k = rms_norm(k.reshape(R, -1, d), self.k_norm, cfg.rms_eps).reshape(R, -1)
+        return torch.cat([q, k, v], -1)
+
+    def attn_out(self, x: torch.Tensor, att: torch.Tensor, counts: list[int] | None = None, kernels=None
+                 ) -> torch.Tensor:
+        """x + (the family's norm of) o(att): the residual stream after attention."""
+        o = self.o(att, counts)
+        if self.post_attn is not None:
+            o = kernels.rms_norm(o, self.post_attn, self.cfg.rms_eps) if kernels is not None else \
+                rms_norm_rows(o, self.post_attn, self.cfg.rms_eps)
+        return x + o
+
+    def ffn(self, x: torch.Tensor, counts: list[int] | None = None, kernels=None) -> torch.Tensor:
+        """x + (the family's norm of) mlp(norm(x)): the residual stream after the MLP."""
+        eps = self.cfg.rms_eps
+        if kernels is not None and self.gate_up is not None:
+            y = self.mlp(kernels.rms_norm(x.contiguous(), self.ln2, eps), counts, kernels)
+            return x + (kernels.rms_norm(y, self.post_ffn, eps) if self.post_ffn is not None else y)
+        y = self.mlp(rms_norm_rows(x, self.ln2, eps), counts)
+        return x + (rms_norm_rows(y, self.post_ffn, eps) if self.post_ffn is not None else y)
+
     def mlp(self, h: torch.Tensor, counts: list[int] | None = None, kernels=None) -> torch.Tensor:
-        """down(silu(gate(h)) * up(h)) of rows h [n, D]; `kernels`: the compiled ones' silu * up (what the
-        one-call `Stack` runs)."""
+        """down(act(gate(h)) * up(h)) of rows h [n, D], act silu or gelu (tanh) as the family has it;
+        `kernels`: the compiled ones' act * up (what the one-call `Stack` runs)."""
         if self.gate_up is not None:
             gu = self.gate_up(h, counts)
             if kernels is not None:
-                return self.down(kernels.silu_mul(gu), counts)
+                return self.down(kernels.gelu_mul(gu) if self.gelu else kernels.silu_mul(gu), counts)
             g, u = gu.chunk(2, -1)
         else:
             g, u = self.gate(h, counts), self.up(h, counts)
-        return self.down((F.silu(g) * u).contiguous(), counts)
+        act = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down((act * u).contiguous(), counts)
 
 
 @dataclass
@@ -405,22 +526,27 @@ class Transformer:
         self.device = torch.device(device)
         weights = resolve_weights(weights, self.folder, self.device)
         self.weights = weights = runnable_mode(weights, self.device)  # fp16 where int8/int4 cannot run
-        self.source = src = open_weights(self.folder, cfg.num_heads, cfg.num_kv_heads, self.device)
+        self.source = src = open_weights(self.folder, cfg.num_heads, cfg.num_kv_heads, self.device, fused_pieces(cfg))
         embed = "model.embed_tokens.weight"
         # in the file's formats the embedding stays in its blocks, rows de-quantised as they are looked up
         self._embedding = RowTable(src, embed) if weights == GGUF and src.blocks(embed) is not None \
             else src.tensor(embed).float()
         self._embed_full: torch.Tensor | None = None
         self.layers = [Layer(src, f"model.layers.{i}", weights, cfg) for i in range(cfg.num_layers)]
-        self.norm = src.tensor("model.norm.weight").float()
+        self.norm = read_norm(src, "model.norm.weight", cfg)
         self._head_name = embed if cfg.tie_embeddings or not src.has("lm_head.weight") else "lm_head.weight"
         self.lm_head = source_linear(src, [self._head_name], weights, "lm_head")
         self._head_full: torch.Tensor | None = None
         self.max_seq_len = min(max_seq_len, cfg.max_position)
-        self.cos, self.sin = rope_tables(cfg.rope_theta, cfg.head_dim, self.max_seq_len, self.device)
+        self.cos, self.sin = cfg.rope_tables(self.max_seq_len, self.device)
         self.sin_signed = signed_sin(self.sin)  # the decoding path's table (`rope_rows`)
+        # the sliding-window layers' own tables where the family gives them another base (Gemma 3)
+        self.cos_local, self.sin_local = cfg.rope_tables(self.max_seq_len, self.device, local=True) \
+            if cfg.local_rope_theta is not None else (self.cos, self.sin)
+        self.sin_signed_local = signed_sin(self.sin_local) if cfg.local_rope_theta is not None else self.sin_signed
+        self.local = [cfg.local_rope_theta is not None and cfg.window(i) > 0 for i in range(cfg.num_layers)]
         self.cache = self.new_cache()
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.attn_scale
         self._batch_invariant: bool | None = None
         # Last-bit differences between a 1-row step and a k-row verification can turn into different
         # tokens (quantised activations often do); on the CPU the few-row layers and the attention of
@@ -440,13 +566,16 @@ class Transformer:
         if self.kernels is None or self.weights not in QUANTISED or not self.row_invariant:
             return None
         layers = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             slots = [_stack_parts(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(slot is None for slot in slots):
                 return None
-            layers.append((layer.ln1.contiguous(), layer.ln2.contiguous(), slots))
+            norms = [None if w is None else w.contiguous() for w in layer.norms()]
+            layers.append((layer.ln1.contiguous(), layer.ln2.contiguous(), slots, norms, int(self.local[i]),
+                           int(self.cfg.window(i) > 0)))
         cfg = self.cfg
-        return self.kernels.Stack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, self.scale)
+        return self.kernels.Stack(layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_eps, self.scale,
+                                  int(cfg.family.activation == GELU_TANH))
 
     def few_row_kernels(self, layers: bool | None = None, attention: bool = True) -> None:
         """Choose the kernels of passes of 1-8 rows (where the compiled ones built): fp16 layers through
@@ -623,13 +752,13 @@ class Transformer:
         if len(seqs) > 1 and not self.batch_invariant():
             return [self.forward_batch([s])[0] for s in seqs]
         counts = [s.n for s in seqs]
-        masks, cos, sin = [], [], []
+        window = max(self.cfg.windows, default=0)
+        masks, local_masks, positions = [], [], []
         for s, n in zip(seqs, counts, strict=True):
             start = s.cache.length
             s.cache.reserve(n)
-            positions = torch.arange(start, start + n, device=self.device) if s.positions is None else s.positions
-            cos.append(self.cos[positions])
-            sin.append(self.sin_signed[positions])
+            pos = torch.arange(start, start + n, device=self.device) if s.positions is None else s.positions
+            positions.append(pos)
             mask = None
             if n > 1 or s.tree_mask is not None:
                 new = s.tree_mask if s.tree_mask is not None else \
@@ -637,24 +766,31 @@ class Transformer:
                 seen = torch.ones(n, start + n - new.shape[1], dtype=torch.bool, device=self.device)
                 mask = torch.cat([seen, new.to(self.device)], 1)
             masks.append(mask)
+            tree = 0 if s.tree_mask is None else s.tree_mask.shape[1]
+            local_masks.append(self._window_mask(mask, pos, start + n, window, tree) if window else mask)
         one = len(seqs) == 1
-        cos_all = cos[0] if one else torch.cat(cos)
-        sin_all = sin[0] if one else torch.cat(sin)
-        embeds = [self.embed_rows(s.tokens) if s.embeds is None else s.embeds for s in seqs]
+        pos_all = positions[0] if one else torch.cat(positions)
+        tables = [(self.cos[pos_all], self.sin_signed[pos_all])]
+        if self.cfg.local_rope_theta is not None:
+            tables.append((self.cos_local[pos_all], self.sin_signed_local[pos_all]))
+        embeds = [self.embed_rows(s.tokens) * self.cfg.embed_scale if s.embeds is None else s.embeds for s in seqs]
         x = embeds[0] if one else torch.cat(embeds)
         wanted = {i for s in seqs for i in s.hidden_layers}
         hidden: dict[int, torch.Tensor] = {}
         if one and self.stack is not None:
             inner = sorted(i for i in wanted if i < self.cfg.num_layers)
             cache = seqs[0].cache
-            x, *states = self.stack.forward(x.float().contiguous(), cache.k, cache.v, cache.length, cos_all, sin_all,
-                                            masks[0], inner)
+            x, *states = self.stack.forward(x.float().contiguous(), cache.k, cache.v, cache.length,
+                                            [c for c, _ in tables], [s for _, s in tables], [masks[0], local_masks[0]],
+                                            inner)
             hidden.update(zip(inner, states, strict=True))
         else:
             for i, layer in enumerate(self.layers):
                 if i in wanted:
                     hidden[i] = x
-                x = self.layer_forward(i, layer, x, cos_all, sin_all, seqs, counts, masks)
+                cos, sin = tables[int(self.local[i])]
+                x = self.layer_forward(i, layer, x, cos, sin, seqs, counts,
+                                       local_masks if self.cfg.window(i) else masks)
         x = rms_norm_rows(x, self.norm, self.cfg.rms_eps)
         if self.cfg.num_layers in wanted:
             hidden[self.cfg.num_layers] = x
@@ -672,6 +808,24 @@ class Transformer:
                 out.logits = piece if piece.shape[0] else None
         return outs
 
+    def _window_mask(self, mask: torch.Tensor | None, positions: torch.Tensor, slots: int, window: int,
+                     tree: int) -> torch.Tensor | None:
+        """`mask` [n, slots] (None: causal) narrowed to a sliding window: row i sees slot j only when
+        positions[i] - j < window, a committed slot (and a causal pass's own) sitting at its position. The
+        last `tree` slots of a tree pass are a draft's ancestors, inside the window (a tree is far smaller)."""
+        n = positions.shape[0]
+        if int(positions.max()) < window:
+            return mask
+        if tree >= window:
+            raise UserError(f"a draft tree of {tree} rows does not fit this model's sliding window of {window}")
+        if mask is None:
+            mask = torch.ones(n, slots, dtype=torch.bool, device=self.device).tril(slots - n)
+        slot = torch.arange(slots, device=self.device)
+        inside = (positions[:, None] - slot[None, :]) < window
+        if tree:
+            inside[:, slots - tree:] = True
+        return mask & inside
+
     def layer_forward(
         self,
         i: int,
@@ -686,15 +840,15 @@ class Transformer:
         """Layer i over the stacked rows x [R, D] of `seqs` (`counts` rows each, `masks` theirs)."""
         cfg = self.cfg
         R = x.shape[0]
-        kern = self.kernels
-        if kern is not None and layer.qkv is not None:  # the compiled steps, as the one-call `Stack` runs them
-            qkv = layer.qkv(kern.rms_norm(x.contiguous(), layer.ln1, cfg.rms_eps), counts).contiguous()
+        kern = self.kernels if layer.qkv is not None else None
+        qkv = layer.qkv_in(x, counts, kern)
+        if kern is not None:  # the compiled steps, as the one-call `Stack` runs them
             kern.rope_(qkv, cos, sin_signed, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim)
             q, k, v = qkv.split(layer.qkv_sizes, -1)
             q = q.reshape(R, cfg.num_heads, cfg.head_dim)
             k = k.reshape(R, cfg.num_kv_heads, cfg.head_dim)
         else:
-            q, k, v = layer.project_qkv(rms_norm_rows(x, layer.ln1, cfg.rms_eps), counts)
+            q, k, v = qkv.split(layer.qkv_sizes, -1)
             # RoPE on all rows at once ([R, heads, d] against [R, 1, d] tables): elementwise, so per row the
             # same bits as on one sequence's rows
             q = rope_rows(q.reshape(R, cfg.num_heads, cfg.head_dim), cos[:, None], sin_signed[:, None])
@@ -720,10 +874,7 @@ class Transformer:
             atts.append(att.transpose(0, 1).reshape(n, -1))
             a = b
         att = atts[0] if len(atts) == 1 else torch.cat(atts)
-        x = x + layer.o(att, counts)
-        if kern is not None and layer.gate_up is not None:
-            return x + layer.mlp(kern.rms_norm(x, layer.ln2, cfg.rms_eps), counts, kern)
-        return x + layer.mlp(rms_norm_rows(x, layer.ln2, cfg.rms_eps), counts)
+        return layer.ffn(layer.attn_out(x, att, counts, kern), counts, kern)
 
     # ---------------------------------------------------------------- the model's own cache
     def advance(self, n: int) -> None:

