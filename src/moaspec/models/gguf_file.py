@@ -335,7 +335,8 @@ def hf_config(gguf: GGUFFile) -> dict:
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     elif scaling == "yarn":
         orig = int(gguf.key("rope.scaling.original_context_length"))
-        config["rope_scaling"] = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": orig}
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": float(factor),
+                                  "original_max_position_embeddings": orig}
     if "rope_freqs.weight" in gguf.tensors:  # Llama 3's scaling as per-frequency divisors
         config["rope_factors"] = gguf.dequantize("rope_freqs.weight").reshape(-1).tolist()
     if fam.gguf_config is not None:
