@@ -21,8 +21,7 @@ DIMS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attenti
 
 def hf_config(kind: str):
     """The transformers config of a tiny model of `kind` (a family, or a family with a RoPE scaling)."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if kind == "llama":
         return LlamaConfig(**DIMS, num_hidden_layers=2, max_position_embeddings=512, rope_theta=10000.0)

@@ -384,11 +384,15 @@ class FrozenTargetLayer:
         and slots [0, start + n) are attended; with `prefix` (K, V [B, Hkv, m, d], the target's) the
         attended keys are prefix then the rows' own."""
         c, lay = self.cfg, self.layer
-        h = rms_norm(x, lay.ln1, c.rms_eps)
-        if lay.qkv is not None:  # quantised target: fused kernels (inference only)
-            q, k, v = (t.view(*h.shape[:-1], -1) for t in lay.project_qkv(h.reshape(-1, h.shape[-1])))
+        if lay.qkv is not None:  # quantised target: the layer's own steps (inference only)
+            flat = x.reshape(-1, x.shape[-1])
+            q, k, v = (t.reshape(*x.shape[:-1], -1) for t in lay.qkv_in(flat).split(lay.qkv_sizes, -1))
         else:
+            h = rms_norm(x, lay.ln1, c.rms_eps)
             q, k, v = (_frozen_linear(lin, h) for lin in (lay.q, lay.k, lay.v))
+            if lay.q_norm is not None:
+                q = rms_norm(q.unflatten(-1, (c.num_heads, c.head_dim)), lay.q_norm, c.rms_eps).flatten(-2)
+                k = rms_norm(k.unflatten(-1, (c.num_kv_heads, c.head_dim)), lay.k_norm, c.rms_eps).flatten(-2)
         q = apply_rope(_split_heads(q, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(_split_heads(k, c.num_kv_heads, c.head_dim), cos, sin)
         v = _split_heads(v, c.num_kv_heads, c.head_dim)
@@ -396,8 +400,14 @@ class FrozenTargetLayer:
             k, v = cache.update(start, k, v)
         elif prefix is not None:
             k, v = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
-        x = x + _frozen_linear(lay.o, _merge_heads(_attention(q, k, v, mask)))
-        h = rms_norm(x, lay.ln2, c.rms_eps)
+        att = _merge_heads(_attention(q, k, v, mask))
         if lay.gate_up is not None:
-            return x + lay.mlp(h.reshape(-1, h.shape[-1])).view(x.shape)
-        return x + _frozen_linear(lay.down, F.silu(_frozen_linear(lay.gate, h)) * _frozen_linear(lay.up, h))
+            flat = x.reshape(-1, x.shape[-1])
+            return lay.ffn(lay.attn_out(flat, att.reshape(flat.shape[0], -1))).view(x.shape)
+        o = _frozen_linear(lay.o, att)
+        x = x + (o if lay.post_attn is None else rms_norm(o, lay.post_attn, c.rms_eps))
+        h = rms_norm(x, lay.ln2, c.rms_eps)
+        g = _frozen_linear(lay.gate, h)
+        act = F.gelu(g, approximate="tanh") if lay.gelu else F.silu(g)
+        y = _frozen_linear(lay.down, act * _frozen_linear(lay.up, h))
+        return x + (y if lay.post_ffn is None else rms_norm(y, lay.post_ffn, c.rms_eps))
