@@ -89,6 +89,7 @@ def write_gguf(model, path: Path, smol_gguf: Path) -> Path:
     arch = fam.gguf_arch
     to_gguf = {hf: g for g, hf in fam.tensors.items()}
     w = GGUFWriter(str(path), arch)
+    w.add_file_type(0)  # ALL_F32
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)

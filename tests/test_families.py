@@ -132,3 +132,31 @@ def test_an_unsupported_architecture_is_refused_at_once_leaving_nothing(home, tm
     assert "Traceback" not in out.stderr
     assert took < 15  # the interpreter and torch's import included; the refusal itself reads only the header
     assert not (home / "models").exists() or not any(p.is_dir() for p in (home / "models").iterdir())
+
+
+def test_models_inspect_and_list_name_a_gguf_by_path(home, tmp_path, smol_gguf, capsys):
+    """`models inspect` reads a header and says whether the file runs (nothing written); a file run by path is
+    listed by `models list` with its family, format, size and context."""
+    from moaspec import cli
+
+    path = write_gguf(build("qwen3"), tmp_path / "tiny-qwen3.gguf", smol_gguf)
+    assert cli.main(["models", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3" in out and "runs here" in out and "context 512" in out
+    assert not (home / "models").exists()
+    bad = tmp_path / "phi2.gguf"
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(bad), "phi2")
+    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert cli.main(["models", "inspect", str(bad)]) == 2
+    assert "does not run here: unsupported architecture 'phi2'" in capsys.readouterr().out
+    store.resolve(path, progress=False)
+    assert cli.main(["models", "list", "--json"]) == 0
+    rows = __import__("json").loads(capsys.readouterr().out)
+    mine = [r for r in rows if r["name"] == str(path.resolve())]
+    assert mine and mine[0]["family"] == "qwen3" and mine[0]["context"] == 512 and mine[0]["format"] == "ALL_F32"

@@ -344,6 +344,30 @@ def hf_config(gguf: GGUFFile) -> dict:
     return config
 
 
+def summary(gguf: GGUFFile) -> dict:
+    """What a user asks of a GGUF before running it, from its header alone: family, parameters, format,
+    context, tokenizer, file size, and whether it runs here (else why not)."""
+    from gguf import LlamaFileType
+
+    ftype = gguf.meta.get("general.file_type")
+    try:
+        fmt = LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_") if ftype is not None else None
+    except ValueError:
+        fmt = None
+    if fmt is None:  # the commonest tensor format stands for the file
+        kinds = [t.type.name for t in gguf.tensors.values() if len(t.shape) == 2]
+        fmt = max(set(kinds), key=kinds.count) if kinds else "?"
+    try:
+        fam, reason = check_family(gguf).name, None
+    except GGUFError as e:
+        fam, reason = None, str(e).split(": ", 1)[-1]
+    return {"path": str(gguf.path), "architecture": gguf.architecture, "family": fam,
+            "name": gguf.meta.get("general.name"),
+            "parameters": int(sum(np.prod(t.shape, dtype=np.int64) for t in gguf.tensors.values())),
+            "format": fmt, "context": gguf.key("context_length"), "tokenizer": gguf.meta.get("tokenizer.ggml.model"),
+            "bytes": gguf.path.stat().st_size, "runs": reason is None, "why_not": reason}
+
+
 def unpermute_rows(gguf: GGUFFile, name: str, heads: int, kv_heads: int) -> np.ndarray | None:
     """Row order that undoes llama.cpp's permutation of a llama file's q and k weights (its converter
     interleaves each head's two rotary halves; this runtime rotates halves, as transformers does), or None

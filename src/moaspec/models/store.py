@@ -157,13 +157,13 @@ def save_measurements(name: str, known: dict) -> None:
         pass
 
 
-def _models_root() -> Path:
+def models_root() -> Path:
     return cache_dir() / "models"
 
 
 def model_dir(name: str) -> Path:
     """Where the folder describing a known model lives (it may not exist yet)."""
-    return _models_root() / _spec(name).name
+    return models_root() / _spec(name).name
 
 
 def _spec(name: str) -> ModelSpec:
@@ -424,11 +424,11 @@ def _checked_gguf(spec: ModelSpec, files: list[Path], joined: Path, progress: bo
 
 
 def _resolve_known(spec: ModelSpec, progress: bool) -> Path:
-    dest = _models_root() / spec.name
+    dest = models_root() / spec.name
     gguf_path = gguf_file(spec.name, progress)
     if _is_current(dest, gguf_path):
         return dest
-    with _lock(_models_root() / f".{spec.name}.lock"):
+    with _lock(models_root() / f".{spec.name}.lock"):
         if _is_current(dest, gguf_path):  # someone else finished while we waited
             return dest
         return _describe(gguf_path, dest, marker=spec.sha256, fingerprint=spec.fingerprint or spec.sha256[:16],
@@ -465,10 +465,10 @@ def _resolve_gguf(path: Path, progress: bool) -> Path:
     path = path.resolve()
     st = path.stat()
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    dest = _models_root() / f"gguf-{key}"
+    dest = models_root() / f"gguf-{key}"
     if _is_current(dest, path):
         return dest
-    with _lock(_models_root() / f".gguf-{key}.lock"):
+    with _lock(models_root() / f".gguf-{key}.lock"):
         if _is_current(dest, path):
             return dest
         return _describe(path, dest, marker=f"{path} {st.st_size}", fingerprint=None, progress=progress)
