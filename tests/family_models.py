@@ -126,6 +126,7 @@ def write_gguf(model, path: Path, smol_gguf: Path) -> Path:
     w.add_token_merges(list(smol.meta["tokenizer.ggml.merges"]))
     w.add_token_types(list(np.asarray(smol.meta["tokenizer.ggml.token_type"]).tolist()))
     w.add_bos_token_id(int(smol.meta["tokenizer.ggml.bos_token_id"]))
+    w.add_add_bos_token(False)
     w.add_eos_token_id(int(smol.meta["tokenizer.ggml.eos_token_id"]))
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy()

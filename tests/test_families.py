@@ -16,6 +16,7 @@ from family_models import build, write_folder, write_gguf
 from moaspec.models import store
 from moaspec.models.runtime import Transformer
 
+LLAMA_CPP = __import__("moaspec.llamacpp").llamacpp.bin_dir()  # before a test's own MOASPEC_HOME
 KINDS = ["llama", "llama3-scaled", "qwen2", "qwen2-yarn", "qwen3", "mistral", "gemma3", "phi3", "phi3-longrope"]
 
 
@@ -160,3 +161,24 @@ def test_models_inspect_and_list_name_a_gguf_by_path(home, tmp_path, smol_gguf, 
     rows = __import__("json").loads(capsys.readouterr().out)
     mine = [r for r in rows if r["name"] == str(path.resolve())]
     assert mine and mine[0]["family"] == "qwen3" and mine[0]["context"] == 512 and mine[0]["format"] == "ALL_F32"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_llama_cpp_agrees_on_a_family_ggufs_greedy_tokens(kind, home, tmp_path, smol_gguf, monkeypatch):
+    """llama.cpp, reading the same file, writes the same 32 greedy tokens (as text) after the same prompt."""
+    from moaspec import llamacpp
+    from moaspec.models.store import load_tokenizer
+
+    monkeypatch.setenv("MOASPEC_LLAMA_CPP", str(LLAMA_CPP))
+    if why := llamacpp.missing((llamacpp.PLAIN,)):
+        pytest.skip(why)
+    hf = build(kind)
+    path = write_gguf(hf, tmp_path / f"{kind}.gguf", smol_gguf)
+    folder = store.resolve(path, progress=False)
+    tok = load_tokenizer(folder)
+    prompt = "The quick brown fox jumps over the lazy dog, and then the dog wakes up and"
+    ours = Transformer(folder, weights="fp32", max_seq_len=hf.config.max_position_embeddings)
+    text = tok.decode(_greedy_ours(ours, tok.encode(prompt), 32))
+    theirs = llamacpp.generate(prompt, path, 32, ctx=hf.config.max_position_embeddings, raw=True, timeout=120)
+    assert theirs.text.startswith(text) and not theirs.text[len(text):].strip("\n")  # it ends with newlines
