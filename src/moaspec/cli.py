@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "503 with Retry-After")
     sv.add_argument("--kv-memory-mb", type=int, default=api.kv_memory_mb, help="KV-cache memory of the generations "
                     "in progress (each reserves what its prompt + max_tokens may fill)")
+    sv.add_argument("--cache-ram", type=int, default=api.cache_ram_mb, metavar="MB", help="memory for finished "
+                    "generations' KV caches, kept (least recently used out first) so that a conversation's next turn "
+                    "or a shared system prompt prefills only what is new; 0: none")
     sv.add_argument("--gather-ms", type=float, default=api.gather_ms, help="how long a batched pass waits for the "
                     "generations the last one served")
     sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
@@ -120,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--max-connections", type=int, default=lim.max_connections, help="open sessions in all")
     st.add_argument("--kv-memory-mb", type=int, default=lim.kv_memory_mb, help="KV-cache memory of the generations "
                     "in progress: each reserves what its prompt + max_new_tokens may fill; the rest wait")
+    st.add_argument("--cache-ram", type=int, default=lim.cache_ram_mb, metavar="MB", help="memory for ended "
+                    "generations' KV caches, kept for a session's next turn or its reconnection (least recently used "
+                    "out first); 0: none")
     st.add_argument("--max-waiting", type=int, default=lim.max_waiting, help="generations queued for memory; "
                     "beyond, a start is told to retry")
     st.add_argument("--max-batch-rows", type=int, default=lim.max_batch_rows, help="rows of one batched pass")
@@ -492,12 +498,14 @@ def _target_limits(args: argparse.Namespace) -> Limits:
     return Limits(max_prompt_tokens=args.max_prompt_tokens, max_seq_len=args.max_context,
                   max_tree_tokens=args.max_tree_tokens, max_sessions=args.max_sessions,
                   max_connections=args.max_connections, kv_memory_mb=args.kv_memory_mb, max_waiting=args.max_waiting,
-                  max_batch_rows=args.max_batch_rows, gather_ms=args.gather_ms, idle_timeout_s=args.idle_timeout)
+                  max_batch_rows=args.max_batch_rows, gather_ms=args.gather_ms, idle_timeout_s=args.idle_timeout,
+                  cache_ram_mb=args.cache_ram)
 
 
 def _api_limits(args: argparse.Namespace) -> ApiLimits:
     return ApiLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, parallel=args.parallel,
-                     max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, gather_ms=args.gather_ms)
+                     max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, gather_ms=args.gather_ms,
+                     cache_ram_mb=args.cache_ram)
 
 
 def _target_server(args: argparse.Namespace, scheduler_thread: bool):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from moaspec.decoding.engine import TARGET, Engine, GenerationConfig, Metrics
+from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.target import ContextEncoder, LocalTarget, TargetSide
 from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig, split_min_prob, tree_for_costs
 from moaspec.drafters import build_drafter
@@ -145,6 +146,9 @@ class SpecDecoder:
         self.remote: RemoteTarget | None = None
         self.cache: KVCache | None = None  # None: the model's own (forks have their own)
         self.scheduler: Scheduler | None = None  # a fork's passes join its siblings' (`fork`)
+        # where a finished generation's cache goes, and a start looks for its prompt's prefix (a server's);
+        # without one, a decoder's own cache keeps its last conversation for the next turn
+        self.prefix: PrefixCache | None = None
         self._remote_args = dict(url=target_url, token=token, wire=wire, timeout_s=target_timeout_s, ca_file=ca_file)
         if target_url is None:
             self.target: Transformer | PartialTarget = Transformer(self.folder, weights=weights, device=device,
@@ -198,8 +202,15 @@ class SpecDecoder:
         return other
 
     def release(self) -> None:
-        """Give back the memory a fork's KV cache holds between generations."""
-        if self.cache is not None:
+        """A fork's generation ended: its KV cache goes to the prefix cache (the fork gets an empty one) or, with
+        none, gives its memory back."""
+        if self.cache is None:
+            return
+        if self.prefix is not None and self.prefix.put(self.cache):
+            self.cache = self.target.new_cache(self.cache.size)
+            if isinstance(self.engine.target, LocalTarget):
+                self.engine.target.cache = self.cache
+        else:
             self.cache.release()
 
     def close(self) -> None:
@@ -249,6 +260,7 @@ class SpecDecoder:
             target: TargetSide = self.remote
         else:
             target = LocalTarget(self.target, encoder, cache=self.cache, scheduler=self.scheduler,
+                                 prefix=self.prefix,
                                  defer_context=getattr(self.drafter, "defers_context", False),
                                  candidates=getattr(self.drafter, "candidates", 0))
         self.engine = Engine(target, self.drafter, tree, adapt)

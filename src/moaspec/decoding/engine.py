@@ -53,6 +53,7 @@ class GenerationConfig:
 @dataclass
 class Metrics:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in a kept KV cache (not prefilled again)
     new_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, per target call
     drafted_tokens: int = 0  # draft nodes sent to verification
@@ -85,6 +86,7 @@ class Metrics:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "target_calls": self.target_calls,
             "drafted_tokens": self.drafted_tokens,
@@ -154,6 +156,7 @@ class Engine:
         step = self.target.start(prompt, cfg.sampling, cfg.max_new_tokens)
         length = step.length
         m.prefill_s = time.perf_counter() - t0
+        m.cached_tokens = step.cached
         if self.drafter is not None:
             self.drafter.begin(prompt, step.context)
         if self.adapt is not None:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from moaspec.decoding.context import Context
+from moaspec.decoding.prefix_cache import PrefixCache, common_prefix
 from moaspec.decoding.sampling import SamplingParams, TokenNoise
 from moaspec.decoding.tree import Tree
 from moaspec.decoding.verify import Verdict, verify
 from moaspec.errors import ContextLengthError, UserError
-from moaspec.models.runtime import ForwardOut, KVCache, Rows, Transformer
+from moaspec.models.linear import QUANTISED
+from moaspec.models.runtime import PREFILL_CHUNK, ForwardOut, KVCache, Rows, Transformer
 
 if TYPE_CHECKING:
     from moaspec.decoding.scheduler import Scheduler
@@ -100,6 +102,7 @@ class Step:
     context: Context | None = None  # what the drafter needs for the newly committed tokens
     length: int = 0  # tokens committed in the target's cache after this step
     target_ms: float = 0.0  # the target's own time for the step (a remote caller's rest is the network)
+    cached: int = 0  # a start's prompt tokens found in a kept KV cache (not prefilled)
 
 
 class TargetSide(Protocol):
@@ -141,8 +144,11 @@ class LocalTarget:
 
     def __init__(self, model: Transformer, encoder: ContextEncoder | None = None, cache: KVCache | None = None,
                  costs: dict[int, float] | None = None, defer_context: bool = False,
-                 scheduler: Scheduler | None = None, candidates: int = 0):
+                 scheduler: Scheduler | None = None, candidates: int = 0, prefix: PrefixCache | None = None):
+        """`prefix`: finished sessions' caches a start may copy its prompt's longest cached prefix from
+        (besides this target's own cache, which keeps the last generation's tokens until the next start)."""
         self.model = model
+        self.prefix = prefix
         # a drafter without an encoder that recycles the target's top-k: its context is `Candidates`
         self.candidates = candidates if encoder is None else 0
         self.scheduler = scheduler
@@ -190,8 +196,42 @@ class LocalTarget:
         slots = torch.arange(first_slot, self.cache.length)
         return self.encoder.encode(self.cache, slots, hidden)
 
-    def _step(self, verdict: Verdict, context: Context | None, t0: float) -> Step:
-        return Step(verdict, context, self.cache.length, (time.perf_counter() - t0) * 1e3)
+    def _step(self, verdict: Verdict, context: Context | None, t0: float, cached: int = 0) -> Step:
+        return Step(verdict, context, self.cache.length, (time.perf_counter() - t0) * 1e3, cached)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a slot's K/V are the same bits however rows are grouped into passes (the quantised modes'
+        kernels): then any kept prefix is as good as a cold prefill."""
+        m = self.model
+        return m.kernels is not None and m.weights in QUANTISED and m.row_invariant
+
+    def _usable(self, cache: KVCache, common: int, prompt: list[int]) -> int:
+        """How much of `cache`'s `common` leading slots a start of `prompt` may keep and stay lossless: at
+        least the last prompt token is run (its logits give the first token); where passes are not
+        row-invariant, only whole prefill chunks that a cold prefill computes alike."""
+        n = min(common, len(prompt) - 1)
+        if not self.row_invariant:
+            n = min(n, cache.exact) // PREFILL_CHUNK * PREFILL_CHUNK
+        return max(n, 0)
+
+    def _reuse(self, prompt: list[int]) -> int:
+        """Keep the longest usable cached prefix of `prompt` in this target's cache (its own tokens, or a
+        copy from the prefix cache); the slots kept. A drafter with a context encoder reads every prompt
+        slot's hidden state, which no cache keeps: its starts prefill all."""
+        if self.encoder is not None:
+            self.cache.reset()
+            return 0
+        own = self._usable(self.cache, common_prefix(self.cache.ids[:self.cache.known], prompt), prompt)
+        if self.prefix is not None:
+            got = self.prefix.copy_best(prompt, self.cache, lambda c, n: self._usable(c, n, prompt), at_least=own + 1)
+            if got:
+                self.prefix.count_hit(got)
+                return got
+        self.cache.truncate(own) if own else self.cache.reset()
+        if self.prefix is not None:
+            self.prefix.count_hit(own)
+        return own
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
               resume: bool = False) -> Step:
@@ -205,15 +245,18 @@ class LocalTarget:
         self.params = params
         self.noise = None if params.greedy else params.noise()
         self.generator = None if params.greedy or self.noise is not None else params.generator()
-        self.cache.reset()
+        kept = self._reuse(prompt)
         hidden = self.encoder.hidden_layers if self.encoder else ()
-        out = self.model.prefill(prompt, hidden_layers=hidden, cache=self.cache, run=self._pass)
+        out = self.model.prefill(prompt[kept:], hidden_layers=hidden, cache=self.cache, run=self._pass)
+        self.cache.ids = list(prompt)
+        self.cache.exact = len(prompt) if self.row_invariant else len(prompt) // PREFILL_CHUNK * PREFILL_CHUNK
         # the first token is the bonus of verifying an empty draft after the prompt's last token
         first = verify(Tree.chain(prompt[-1]), out.logits[-1:], params, self.generator, self.noise,
                        len(prompt) - 1).bonus
         if self.candidates:
-            return self._step(Verdict([], [], first), top_candidates(prompt[-1:], out.logits[-1:], self.candidates), t0)
-        return self._step(Verdict([], [], first), self._context(0, out, slice(None)), t0)
+            return self._step(Verdict([], [], first), top_candidates(prompt[-1:], out.logits[-1:], self.candidates), t0,
+                              kept)
+        return self._step(Verdict([], [], first), self._context(0, out, slice(None)), t0, kept)
 
     def verify(self, tree: Tree) -> Step:
         t0 = time.perf_counter()
@@ -227,6 +270,10 @@ class LocalTarget:
         ))
         verdict = verify(tree, out.logits, self.params, self.generator, self.noise, start)
         self.cache.commit(verdict.path)
+        if len(self.cache.ids) == start:  # the committed slots' ids, for a later start's prefix
+            self.cache.ids.extend(tree.tokens[i] for i in verdict.path)
+            if self.row_invariant:
+                self.cache.exact = self.cache.length
         if self.candidates:
             return self._step(verdict, top_candidates(tree.tokens, out.logits, self.candidates), t0)
         return self._step(verdict, self._context(start, out, verdict.path), t0)

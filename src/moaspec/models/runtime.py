@@ -416,6 +416,28 @@ class KVCache:
         self.size = size
         self.length = 0
         self.epoch = 0  # bumped whenever committed slots may be rewritten (reset, truncate)
+        # the token ids of the committed slots, where their writer keeps them (`LocalTarget`; else stale, and
+        # `known` says so); `exact`: how many leading slots a cold prefill of the same tokens gives the same
+        # bits (where passes are not row-invariant, only whole prefill chunks from slot 0)
+        self.ids: list[int] = []
+        self.exact = 0
+
+    @property
+    def known(self) -> int:
+        """Leading committed slots whose token ids are known (`ids`)."""
+        return len(self.ids) if len(self.ids) <= self.length else 0
+
+    def copy_prefix(self, other: KVCache, n: int) -> None:
+        """Make this cache hold `other`'s first n committed slots (a cached prefix, copied on start)."""
+        if n > other.length or n > self.size:
+            raise UserError(f"cannot copy {n} slots from a {other.length}-token cache into a {self.size}-slot one")
+        self.reset()
+        self.reserve(n)
+        self.k[:, :, :n] = other.k[:, :, :n]
+        self.v[:, :, :n] = other.v[:, :, :n]
+        self.length = n
+        self.ids = list(other.ids[:n])
+        self.exact = min(other.exact, n)
 
     @property
     def capacity(self) -> int:
@@ -478,10 +500,14 @@ class KVCache:
         if length < self.length:
             self.epoch += 1
         self.length = length
+        del self.ids[length:]
+        self.exact = min(self.exact, length)
 
     def reset(self) -> None:
         self.length = 0
         self.epoch += 1
+        self.ids = []
+        self.exact = 0
 
     def kv(self, positions: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """K (after RoPE) and V of every layer for cache slots: each [L, Hkv, n, d]."""

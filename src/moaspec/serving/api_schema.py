@@ -40,10 +40,15 @@ class Speculative(BaseModel):
     total_s: float
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # of the prompt, found in a kept KV cache (not prefilled again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
     unverified_tokens: int | None = None  # tokens the drafter wrote while the remote target was away
     speculative: Speculative | None = None
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.scheduler import ROW_BUCKETS, Scheduler
 
 
@@ -79,3 +80,18 @@ def registry(collector: ServerCollector) -> CollectorRegistry:
 def exposition(reg: CollectorRegistry) -> tuple[bytes, str]:
     """The body and content type of a /metrics answer."""
     return generate_latest(reg), CONTENT_TYPE_LATEST
+
+
+def prefix_gauges(prefix: PrefixCache | None) -> dict[str, tuple[str, float]]:
+    """The prefix cache's figures (none without one): its memory, entries and how often it answered."""
+    if prefix is None:
+        return {}
+    return {"moaspec_prefix_cache_bytes": ("KV-cache memory kept for prompts that start alike", prefix.nbytes),
+            "moaspec_prefix_cache_budget_bytes": ("the prefix cache's budget (--cache-ram)", prefix.budget),
+            "moaspec_prefix_cache_entries": ("finished generations' caches kept", len(prefix)),
+            "moaspec_prefix_cache_lookups": ("starts that looked for a cached prefix", prefix.lookups),
+            "moaspec_prefix_cache_hits": ("starts that found one", prefix.hits),
+            "moaspec_prefix_cache_hit_tokens": ("prompt tokens not prefilled thanks to it", prefix.hit_tokens),
+            "moaspec_prefix_cache_hit_rate": ("hits / lookups", prefix.hits / prefix.lookups if prefix.lookups
+                                              else 0.0),
+            "moaspec_prefix_cache_evictions": ("caches evicted for room", prefix.evictions)}

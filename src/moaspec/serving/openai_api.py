@@ -55,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moaspec.decoding.engine import GenerationConfig, Metrics
+from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
 from moaspec.decoding.tree import MAX_TREE_TOKENS
@@ -64,7 +65,7 @@ from moaspec.models.linear import QUANTISED
 from moaspec.models.runtime import PREFILL_CHUNK
 from moaspec.serving import api_schema as S
 from moaspec.serving.admission import Admission
-from moaspec.serving.metrics import Rate, ServerCollector, exposition, registry
+from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
 from moaspec.serving.protocol import Busy
 from moaspec.serving.runner import in_worker
 from moaspec.serving.runner import serve as run
@@ -91,6 +92,7 @@ class ApiLimits:
     parallel: int = 8  # generations decoding together (like llama-server's -np)
     max_waiting: int = 32  # requests queued for a place; beyond, 503 with Retry-After
     kv_memory_mb: int = 2048  # KV caches of the generations in progress (a local target's)
+    cache_ram_mb: int = 1024  # finished generations' KV caches kept for prompts that start alike (0: none)
     max_batch_rows: int = 512  # rows of one batched pass
     gather_ms: float = 5.0  # how long a pass waits for the generations the last one served
 
@@ -100,6 +102,8 @@ class ApiLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.cache_ram_mb, int) or self.cache_ram_mb < 0:
+            raise UserError(f"cache_ram_mb must be an integer >= 0, got {self.cache_ram_mb!r}")
         if self.max_batch_rows < max(MAX_TREE_TOKENS + 1, PREFILL_CHUNK):
             raise UserError(f"max_batch_rows must hold a whole draft tree ({MAX_TREE_TOKENS + 1}) and a prompt "
                             f"chunk ({PREFILL_CHUNK}), got {self.max_batch_rows}")
@@ -292,6 +296,9 @@ class OpenAIServer:
         self.scheduler = Scheduler(dec.target, lim.max_batch_rows, lim.gather_ms, own_thread=scheduler_thread) \
             if dec.remote is None else None
         self.admission = Admission(lim.kv_memory_mb << 20, lim.max_waiting, max_holders=lim.parallel)
+        # finished generations' caches, for the next turn of a conversation or a shared system prompt
+        self.prefix = PrefixCache(lim.cache_ram_mb << 20) if dec.remote is None and lim.cache_ram_mb else None
+        dec.prefix = self.prefix
         # weight mode -> the decoder over that copy of the weights (loaded when a request first asks for it;
         # their passes share the one scheduler), and its idle forks, one per generation that ran at once
         self.weights = _weights(dec)
@@ -314,7 +321,8 @@ class OpenAIServer:
                 "moaspec_kv_reserved_bytes": ("KV-cache memory reserved by generations", a.used),
                 "moaspec_kv_budget_bytes": ("KV-cache memory for generations", a.budget),
                 "moaspec_sessions": ("decoders held (one per generation that ran at once)",
-                                     sum(map(len, self.idle.values())) + a.holders)}
+                                     sum(map(len, self.idle.values())) + a.holders),
+                **prefix_gauges(self.prefix)}
 
     def _offer(self) -> tuple[list[str], list[str]]:
         """The drafters and weight modes a request may ask for (`drafter`, `weights`): the drafters ready for
@@ -331,6 +339,8 @@ class OpenAIServer:
             for fork in forks:
                 fork.close()
             forks.clear()
+        if self.prefix is not None:
+            self.prefix.clear()
         if self.scheduler is not None:
             self.scheduler.close()
 
@@ -554,7 +564,8 @@ class OpenAIServer:
     def _usage(self, prompt_tokens: int, completion_tokens: int, m: Metrics | None,
                live: dict[str, Any] | None) -> S.Usage:
         usage = S.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens)
+                        total_tokens=prompt_tokens + completion_tokens,
+                        prompt_tokens_details=S.PromptTokensDetails(cached_tokens=m.cached_tokens if m else 0))
         if m is not None and live is not None:
             usage.speculative = S.Speculative(
                 drafter=live["drafter"], weights=live["weights"], tau=round(m.tau, 4), target_calls=m.target_calls,

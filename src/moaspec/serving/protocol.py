@@ -91,6 +91,7 @@ class Limits:
     max_sessions: int = 64  # open sessions (connections) per bearer token
     max_connections: int = 256  # open sessions in all
     kv_memory_mb: int = 2048  # KV caches of the generations in progress
+    cache_ram_mb: int = 1024  # ended generations' caches kept for a session's next turn or a reconnect (0: none)
     max_waiting: int = 64  # starts queued for memory
     max_batch_rows: int = 256  # rows of one batched pass (a whole prompt chunk or tree always fits)
     gather_ms: float = 5.0  # how long a pass waits for the sessions the last one served
@@ -103,6 +104,8 @@ class Limits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"server limit {name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.cache_ram_mb, int) or isinstance(self.cache_ram_mb, bool) or self.cache_ram_mb < 0:
+            raise UserError(f"server limit cache_ram_mb must be an integer >= 0, got {self.cache_ram_mb!r}")
         if self.max_prompt_tokens >= self.max_seq_len:
             raise UserError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be below max_seq_len "
                             f"({self.max_seq_len})")

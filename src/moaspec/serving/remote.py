@@ -305,7 +305,7 @@ class RemoteTarget:
         self.calls += 1
         context = decode_context(body) if body else None
         verdict = Verdict(list(header["path"]), list(header["accepted"]), int(header["bonus"]))
-        return Step(verdict, context, int(header["length"]), float(header["target_ms"]))
+        return Step(verdict, context, int(header["length"]), float(header["target_ms"]), int(header.get("cached", 0)))
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
               resume: bool = False) -> Step:

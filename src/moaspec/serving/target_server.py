@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request, Response, WebSocket, WebSocketDisconnect
 
 from moaspec.decoding.context import WIRE_DTYPES
 from moaspec.decoding.context import encode as encode_context
+from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
 from moaspec.decoding.target import ContextEncoder, LocalTarget, Step
@@ -44,7 +45,7 @@ from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
 from moaspec.models.runtime import KVCache, Transformer
 from moaspec.serving.admission import Admission
-from moaspec.serving.metrics import Rate, ServerCollector, exposition, registry
+from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
 from moaspec.serving.protocol import (
     ENDPOINT,
     Busy,
@@ -133,7 +134,7 @@ class Session:
     def start(self, prompt: list[int], params: SamplingParams, encoder: ContextEncoder | None, slots: int) -> Step:
         srv = self.server
         self.cache = srv.model.new_cache(slots)
-        self.target = LocalTarget(srv.model, encoder, cache=self.cache, scheduler=srv.scheduler)
+        self.target = LocalTarget(srv.model, encoder, cache=self.cache, scheduler=srv.scheduler, prefix=srv.prefix)
         return self.target.start(prompt, params)
 
     def verify(self, header: dict[str, Any]) -> Step:
@@ -151,7 +152,12 @@ class Session:
             self.target.release()
         self.target = None
         if self.cache is not None:
-            self.cache.release()
+            # kept for this session's next turn or, after a reconnect, its next session (within the budget)
+            if srv_prefix := self.server.prefix:
+                if not srv_prefix.put(self.cache):
+                    self.cache.release()
+            else:
+                self.cache.release()
             self.cache = None
         if self.reserved is not None:
             self.server.admission.release(*self.reserved)
@@ -162,7 +168,7 @@ class Session:
         self.server.tokens.add(len(v.new_tokens))
         body = encode_context(step.context, self.wire) if step.context is not None else b""
         return pack({"type": "step", "path": v.path, "accepted": v.accepted, "bonus": v.bonus,
-                     "length": step.length, "target_ms": round(step.target_ms, 3)}, body)
+                     "length": step.length, "target_ms": round(step.target_ms, 3), "cached": step.cached}, body)
 
 
 class TargetServer:
@@ -186,6 +192,7 @@ class TargetServer:
         self.scheduler = Scheduler(model, self.limits.max_batch_rows, self.limits.gather_ms,
                                    own_thread=scheduler_thread)
         self.admission = Admission(self.limits.kv_memory_mb << 20, self.limits.max_waiting)
+        self.prefix = PrefixCache(self.limits.cache_ram_mb << 20) if self.limits.cache_ram_mb else None
         self.tokens = Rate()
         self.registry = registry(ServerCollector(self.scheduler, self.tokens, self._gauges))
         # the worker threads sessions wait in for their passes: one each, whatever anyio's default
@@ -198,10 +205,13 @@ class TargetServer:
                 "moaspec_generations": ("generations in progress (holding memory)", a.holders),
                 "moaspec_generations_waiting": ("generations waiting for memory", a.waiting),
                 "moaspec_kv_reserved_bytes": ("KV-cache memory reserved by generations", a.used),
-                "moaspec_kv_budget_bytes": ("KV-cache memory for generations", a.budget)}
+                "moaspec_kv_budget_bytes": ("KV-cache memory for generations", a.budget),
+                **prefix_gauges(self.prefix)}
 
     def close(self) -> None:
         self.scheduler.close()
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def ready(self) -> dict[str, Any]:
         return {"type": "ready", "model": self.name, "fingerprint": self.fingerprint, "weights": self.model.weights,

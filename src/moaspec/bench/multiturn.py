@@ -1,0 +1,129 @@
+"""A conversation of several turns about a ~1.5k-token module of code, sent to each server as a chat client
+sends it (the whole conversation every turn, greedy, streamed): time to first token per turn, tokens/s and
+the prompt tokens each server found cached. Our server with its prefix cache, the same without one
+(`--cache-ram 0`: every turn cold), and llama-server with its prompt cache (on by default), in one run.
+
+    python -m moaspec.bench.multiturn --model qwen2.5-coder-0.5b --out bench-out/multiturn
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from moaspec.bench.serving import Server, _llama_server, _ours, free_port
+from moaspec.errors import UserError
+
+QUESTIONS = (
+    "Here is a Python module:\n\n```python\n{code}\n```\n\nSummarise what it does in three sentences.",
+    "Which function is the most complex, and why?",
+    "Suggest one test for that function, as pytest code.",
+    "Is there any input that would make the module fail? Give one.",
+    "Rewrite the shortest function more clearly.",
+)
+
+
+def document(tokens: int = 1500) -> str:
+    """About `tokens` tokens of real Python: the start of this package's draft-tree module."""
+    text = (Path(__file__).resolve().parents[1] / "decoding" / "tree.py").read_text()
+    return text[: tokens * 3]  # ~3 characters a token for code
+
+
+async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, parts, usage = None, [], {}
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise UserError(f"{url} answered {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    first = first or time.perf_counter()
+                    parts.append(text)
+    end = time.perf_counter()
+    tokens = usage.get("completion_tokens", len(parts))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {"ttft_s": round((first or end) - t0, 4), "total_s": round(end - t0, 4), "tokens": tokens,
+            "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached,
+            "tok_s": round(tokens / (end - (first or end)), 2) if first and end > first else None,
+            "text": "".join(parts)}
+
+
+async def conversation(url: str, model: str, turns: int, max_tokens: int, doc: str) -> list[dict]:
+    messages: list[dict] = []
+    out = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900)) as http:
+        for i in range(turns):
+            q = QUESTIONS[i % len(QUESTIONS)].format(code=doc)
+            messages.append({"role": "user", "content": q})
+            r = await _turn(http, url, model, messages, max_tokens)
+            messages.append({"role": "assistant", "content": r["text"]})
+            out.append(r)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--servers", default="ours,ours-cold,llama-server",
+                   help="comma-separated among ours, ours-cold (--cache-ram 0), llama-server")
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--doc-tokens", type=int, default=1500)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--drafter", default="auto")
+    p.add_argument("--out", default="bench-out/multiturn")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = document(args.doc_tokens)
+    results = {}
+    for name in args.servers.split(","):
+        port = free_port()
+        if name == "ours":
+            cmd = _ours(args.model, args.weights, args.drafter, 1, port, args.threads)
+        elif name == "ours-cold":
+            cmd = [*_ours(args.model, args.weights, args.drafter, 1, port, args.threads), "--cache-ram", "0"]
+        elif name == "llama-server":
+            cmd = _llama_server(args.model, 1, port, args.threads, 8192, lookup=False)
+        else:
+            raise UserError(f"unknown server {name!r}")
+        server = Server(name, cmd, port, out / f"{name}.log")
+        try:
+            server.wait_ready()
+            results[name] = asyncio.run(conversation(server.url, args.model, args.turns, args.max_tokens, doc))
+        finally:
+            server.stop()
+        print(name, [r["ttft_s"] for r in results[name]], flush=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    lines = [f"| time to first token, s | {' | '.join(f'turn {i + 1}' for i in range(args.turns))} |",
+             "|---|" + "---|" * args.turns]
+    for name, rows in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['ttft_s']:.2f}" for r in rows) + " |")
+    lines += ["", "| cached prompt tokens | " + " | ".join(f"turn {i + 1}" for i in range(args.turns)) + " |",
+              "|---|" + "---|" * args.turns]
+    for name, rows in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['cached_tokens']} / {r['prompt_tokens']}" for r in rows) + " |")
+    if "ours" in results and "ours-cold" in results:
+        same = sum(a["text"] == b["text"] for a, b in zip(results["ours"], results["ours-cold"], strict=True))
+        lines += ["", f"ours warm and cold answers identical: {same} of {args.turns} turns"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

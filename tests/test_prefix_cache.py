@@ -1,0 +1,160 @@
+"""Conversations that pick up where they left off: a start reuses the longest cached prefix of its prompt (the
+decoder's own cache, or a finished session's from the prefix cache) and the answer is token-identical to the
+same request sent cold, in every weight mode, greedy and seeded; the API reports the cached tokens, the cache
+stays within its budget, and an evicted conversation is recomputed, never answered wrongly."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from servers import Running
+
+from moaspec.decoding.engine import GenerationConfig
+from moaspec.decoding.prefix_cache import PrefixCache, common_prefix
+from moaspec.decoding.sampling import SamplingParams
+from moaspec.models import quant
+from moaspec.models.runtime import PREFILL_CHUNK
+from moaspec.pipeline import SpecDecoder
+from moaspec.serving.openai_api import ApiLimits, create_app
+
+SMOL = "smollm2-135m"
+KEY = "prefix-key"
+SYSTEM = "You are a careful assistant who answers in a few sentences. " * 12
+TURNS = ["Write a Python function that reverses a string.", "Now make it recursive.", "Add a docstring to it."]
+MODES = ["gguf", "int8", "int4", "fp16"]
+
+
+def _conversation(dec: SpecDecoder, cold: SpecDecoder, cfg: GenerationConfig, drafter_turns=TURNS):
+    """Each turn warm on `dec` and cold on `cold` (its cache emptied first): (cached tokens, answers equal)."""
+    conv = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for q in drafter_turns:
+        conv.append({"role": "user", "content": q})
+        ids = dec.encode(conv)
+        warm = dec.generate(ids, cfg)
+        cold.release()
+        cold.target.cache.reset()
+        ref = cold.generate(ids, cfg)
+        out.append((warm.metrics.cached_tokens, warm.token_ids == ref.token_ids, len(ids)))
+        conv.append({"role": "assistant", "content": warm.text})
+    return out
+
+
+@pytest.mark.parametrize("weights", MODES)
+@pytest.mark.parametrize("seed", [None, 5])
+def test_a_warm_turn_equals_the_same_turn_cold(weights, seed):
+    """3 turns with a 150-token system prompt, the suffix drafter: every warm answer equals the cold one; from
+    turn 2 the conversation so far comes from the cache (row-invariant modes: all but the new turn's tokens;
+    fp16: whole prefill chunks)."""
+    if weights != "fp16" and not quant.available():
+        pytest.skip("the compiled kernels cannot be built here")
+    dec = SpecDecoder(SMOL, drafter="suffix", weights=weights, tree="adaptive:4", warmup=False)
+    cold = SpecDecoder(SMOL, drafter="suffix", weights=weights, tree="adaptive:4", warmup=False)
+    sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
+    turns = _conversation(dec, cold, GenerationConfig(max_new_tokens=32, sampling=sampling))
+    assert all(same for _, same, _ in turns), turns
+    assert turns[0][0] == 0
+    for cached, _, n in turns[1:]:
+        if weights == "fp16":
+            assert cached >= PREFILL_CHUNK and cached % PREFILL_CHUNK == 0, turns
+        else:
+            assert cached >= n - 40, turns  # the previous turns all but their ending's re-tokenised tail
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "recycling"])
+def test_every_token_drafter_keeps_a_conversation_lossless(drafter):
+    if not quant.available():
+        pytest.skip("the compiled kernels cannot be built here")
+    dec = SpecDecoder(SMOL, drafter=drafter, weights="gguf", tree="adaptive:4", warmup=False)
+    cold = SpecDecoder(SMOL, drafter=drafter, weights="gguf", tree="adaptive:4", warmup=False)
+    turns = _conversation(dec, cold, GenerationConfig(max_new_tokens=24))
+    assert all(same for _, same, _ in turns) and all(c > 0 for c, _, _ in turns[1:]), turns
+
+
+def _cache_of(model, ids: list[int]):
+    c = model.new_cache(64)
+    c.reserve(len(ids))
+    c.length = len(ids)
+    c.ids = list(ids)
+    c.exact = len(ids)
+    return c
+
+
+def test_the_prefix_cache_keeps_the_longest_within_its_budget(smol_model):
+    one = _cache_of(smol_model, list(range(10)))
+    size = one.nbytes
+    store = PrefixCache(budget=2 * size)
+    assert store.put(one)
+    assert store.put(_cache_of(smol_model, list(range(20))))  # extends the first: the first goes
+    assert len(store) == 1
+    assert store.put(_cache_of(smol_model, [7] * 12))
+    into = smol_model.new_cache(64)
+    got = store.copy_best(list(range(15)) + [99], into, lambda c, n: n)
+    assert got == 15 and into.ids == list(range(15)) and into.length == 15
+    assert torch.equal(into.k[:, :, :15], store._entries[1].k[:, :, :15])
+    assert store.put(_cache_of(smol_model, [3] * 5))  # over budget: the least recently used goes
+    assert store.nbytes <= store.budget and store.evictions == 1
+    assert store.copy_best([7] * 12, into, lambda c, n: n) == 0  # it was the evicted one
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+
+
+@pytest.fixture(scope="module")
+def served():
+    dec = SpecDecoder(SMOL, drafter="suffix", weights="int8" if quant.available() else "fp16", tree="adaptive:4")
+    app = create_app(dec, SMOL, token=KEY, limits=ApiLimits(max_prompt_tokens=1024, max_tokens=64, parallel=4,
+                                                             cache_ram_mb=64))
+    run = Running(app, path="/v1")
+    yield app.state.api, run
+    run.stop()
+    app.state.api.close()
+
+
+def test_the_api_reports_cached_tokens_and_answers_as_cold(served):
+    """A 3-turn chat over the API: `usage.prompt_tokens_details.cached_tokens` from turn 2 on, the same
+    answers as a server without a prefix cache would give (the decoder cold), the hit rate on /metrics."""
+    api, run = served
+    client = OpenAI(base_url=run.url, api_key=KEY, max_retries=0, timeout=300)
+    cold = SpecDecoder(SMOL, drafter="suffix", weights=api.weights, tree="adaptive:4", warmup=False)
+    conv = [{"role": "system", "content": SYSTEM}]
+    for i, q in enumerate(TURNS):
+        conv.append({"role": "user", "content": q})
+        r = client.chat.completions.create(model=SMOL, messages=conv, max_tokens=24, temperature=0)
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert (cached == 0) if i == 0 else (cached > r.usage.prompt_tokens // 2), (i, r.usage)
+        cold.target.cache.reset()
+        ref = cold.generate(cold.encode(conv), GenerationConfig(max_new_tokens=24))
+        assert r.choices[0].message.content == ref.text
+        conv.append({"role": "assistant", "content": r.choices[0].message.content})
+    metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert "moaspec_prefix_cache_hit_rate" in metrics and "moaspec_prefix_cache_bytes" in metrics
+
+
+def test_a_shared_system_prompt_is_reused_by_concurrent_sessions_within_the_budget(served):
+    """8 clients at once, each its own question after the same long system prompt, twice: the second round
+    finds the system prompt cached for every client, answers equal the first round's, and the kept caches
+    never exceed the budget (evictions happen, nothing is answered wrongly)."""
+    api, run = served
+    client = OpenAI(base_url=run.url, api_key=KEY, max_retries=0, timeout=300)
+    questions = [f"Give me fact number {i} about the number {i * 7}." for i in range(8)]
+
+    def ask(i: int, out: list) -> None:
+        r = client.chat.completions.create(model=SMOL, max_tokens=16, temperature=0, messages=[
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": questions[i]}])
+        out[i] = (r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
+
+    rounds = []
+    for _ in range(2):
+        out: list = [None] * 8
+        threads = [threading.Thread(target=ask, args=(i, out)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        rounds.append(out)
+        assert api.prefix.nbytes <= api.prefix.budget
+    assert [a for a, _ in rounds[0]] == [a for a, _ in rounds[1]]
+    assert all(c >= 100 for _, c in rounds[1]), rounds[1]
