@@ -543,3 +543,24 @@ def test_text_the_target_never_verified_is_counted_and_marked(served):
         usage = OpenAIServer._usage(None, len(ids), len(tokens), m, {"drafter": "moa", "weights": "fp32"})
         assert usage.unverified_tokens == m.unverified_in_output  # the API writes it into `usage`
         client.remote.shutdown()
+
+
+def test_a_sessions_next_turn_and_a_reconnection_reuse_its_kv_on_the_server(served, dec_none):
+    """The server keeps an ended generation's cache (within --cache-ram): the session's next turn, and a new
+    session after a reconnect, prefill only what is new; the answers equal plain local decoding (fp32 here:
+    whole prefill chunks are kept)."""
+    server, run = served
+    system = "You are a careful assistant who answers in a few sentences. " * 12
+    conv = [{"role": "system", "content": system}, {"role": "user", "content": "Name a prime number."}]
+    client = SpecDecoder(SMOL, drafter="lookup", target_url=run.url, token=TOKEN, tree="adaptive:4")
+    first = client.generate(client.encode(conv), _cfg(16))
+    conv += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And another one?"}]
+    ids = client.encode(conv)
+    second = client.generate(ids, _cfg(16))
+    assert second.metrics.cached_tokens >= 128 and second.metrics.cached_tokens % 64 == 0
+    assert second.token_ids == dec_none.generate(ids, _cfg(16)).token_ids
+    client.remote.close()
+    again = SpecDecoder(SMOL, drafter="lookup", target_url=run.url, token=TOKEN, tree="adaptive:4")
+    third = again.generate(ids, _cfg(16))  # a new session: the cache comes from the kept ones
+    assert third.metrics.cached_tokens == second.metrics.cached_tokens and third.token_ids == second.token_ids
+    again.remote.close()

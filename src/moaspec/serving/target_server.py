@@ -153,10 +153,8 @@ class Session:
         self.target = None
         if self.cache is not None:
             # kept for this session's next turn or, after a reconnect, its next session (within the budget)
-            if srv_prefix := self.server.prefix:
-                if not srv_prefix.put(self.cache):
-                    self.cache.release()
-            else:
+            prefix = self.server.prefix
+            if prefix is None or not prefix.put(self.cache):
                 self.cache.release()
             self.cache = None
         if self.reserved is not None:
