@@ -212,14 +212,14 @@ def test_the_stack_with_block_parts_equals_the_parts_layer_by_layer():
     kern = quant.kernels()
     torch.manual_seed(0)
     layers = _layers(np.random.default_rng(0))
-    stack = kern.Stack(layers, H, HKV, HD, EPS, HD ** -0.5)
+    stack = kern.Stack([(*layer, [None] * 4, 0, 0) for layer in layers], H, HKV, HD, EPS, HD ** -0.5)
     caches = {name: (torch.zeros(2, HKV, 16, HD), torch.zeros(2, HKV, 16, HD)) for name in ("stack", "steps")}
     tree = torch.tensor([[1] * 6 + [1, 0, 0], [1] * 6 + [1, 1, 0], [1] * 6 + [1, 0, 1]], dtype=torch.bool)
     start = 0
     for n, mask in ((5, None), (1, None), (3, tree)):
         x = torch.randn(n, D)
         cos, sin = torch.randn(n, HD), torch.randn(n, HD)
-        got = stack.forward(x, *caches["stack"], start, cos, sin, mask, [0, 1])
+        got = stack.forward(x, *caches["stack"], start, [cos], [sin], [mask], [0, 1])
         want = _reference(kern, layers, x, *caches["steps"], start, cos, sin, mask, (0, 1))
         assert len(got) == len(want) == 3
         for a, b in zip(got, want, strict=True):
@@ -234,6 +234,8 @@ def test_the_stack_refuses_slots_that_do_not_chain():
     layers = _layers(np.random.default_rng(1))
     ln1, ln2, slots = layers[0]
     with pytest.raises(RuntimeError, match="chain"):
-        kern.Stack([(ln1, ln2, [slots[0][:2], *slots[1:]])], H, HKV, HD, EPS, 1.0)  # qkv without v
+        kern.Stack([(ln1, ln2, [slots[0][:2], *slots[1:]], [None] * 4, 0, 0)], H, HKV, HD, EPS, 1.0)  # qkv without v
     with pytest.raises(RuntimeError, match="4 slots"):
-        kern.Stack([(ln1, ln2, slots[:3])], H, HKV, HD, EPS, 1.0)
+        kern.Stack([(ln1, ln2, slots[:3], [None] * 4, 0, 0)], H, HKV, HD, EPS, 1.0)
+    with pytest.raises(RuntimeError, match="norm 2 must be"):
+        kern.Stack([(ln1, ln2, slots, [None, None, torch.ones(3), None], 0, 0)], H, HKV, HD, EPS, 1.0)

