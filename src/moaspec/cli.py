@@ -643,7 +643,9 @@ def _summary(gen, label: str, weights: str) -> str:
     return (
         f"[{label}, {weights}] {m.new_tokens} tokens ({gen.finish_reason}) | {m.tokens_per_s:.1f} tok/s | "
         f"tau {m.tau:.2f} | "
-        f"{m.target_calls} target calls | prefill {m.prefill_s:.2f}s draft {m.draft_s:.2f}s "
+        f"{m.target_calls} target calls | prefill {m.prefill_s:.2f}s"
+        f"{f' ({m.cached_tokens} of {m.prompt_tokens} prompt tokens cached)' if m.cached_tokens else ''} "
+        f"draft {m.draft_s:.2f}s "
         f"verify {m.verify_s:.2f}s total {m.total_s:.2f}s"
     )
 
