@@ -74,6 +74,50 @@ async def conversation(url: str, model: str, turns: int, max_tokens: int, doc: s
     return out
 
 
+async def _gaps(http: httpx.AsyncClient, url: str, model: str, question: str, max_tokens: int,
+                stamps: list[float]) -> None:
+    """Stream one answer, recording the arrival time of each piece of text."""
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices", []):
+                    if (choice.get("delta") or {}).get("content"):
+                        stamps.append(time.perf_counter())
+
+
+async def stall(url: str, model: str, doc: str, streams: int = 3, max_tokens: int = 200) -> dict:
+    """`streams` answers decoding while a long prompt arrives after 2 s: the gaps between their tokens
+    before it, while it prefills (until its first token) and after, p50 / p99 ms."""
+    stamps: list[list[float]] = [[] for _ in range(streams)]
+    long_done: dict = {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900), limits=httpx.Limits(max_connections=streams + 2)) as http:
+        async def long_prompt() -> None:
+            await asyncio.sleep(2.0)
+            t0 = time.perf_counter()
+            r = await _turn(http, url, model, [{"role": "user", "content": doc + "\n\nSummarise this."}], 8)
+            long_done.update(start=t0, first=t0 + r["ttft_s"], prompt_tokens=r["prompt_tokens"])
+
+        await asyncio.gather(long_prompt(), *(_gaps(http, url, model, f"Count from {i} to 500, one number a line.",
+                                                    max_tokens, stamps[i]) for i in range(streams)))
+    phases: dict[str, list[float]] = {"before": [], "during": [], "after": []}
+    for ts in stamps:
+        for a, b in zip(ts, ts[1:], strict=False):
+            key = "before" if b < long_done["start"] else "during" if b <= long_done["first"] else "after"
+            phases[key].append((b - a) * 1e3)
+
+    def pct(xs: list[float], p: float) -> float | None:
+        xs = sorted(xs)
+        return round(xs[min(len(xs) - 1, int(p / 100 * (len(xs) - 1) + 0.5))], 1) if xs else None
+
+    return {"prompt_tokens": long_done.get("prompt_tokens"),
+            "prefill_s": round(long_done["first"] - long_done["start"], 2),
+            **{f"{k}_p50_ms": pct(v, 50) for k, v in phases.items()},
+            **{f"{k}_p99_ms": pct(v, 99) for k, v in phases.items()},
+            **{f"{k}_max_ms": round(max(v), 1) if v else None for k, v in phases.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -86,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", default="auto")
     p.add_argument("--drafter", default="auto")
     p.add_argument("--out", default="bench-out/multiturn")
+    p.add_argument("--stall", type=int, default=0, metavar="TOKENS",
+                   help="instead: 3 streams decode while a prompt of about TOKENS tokens arrives (chunked prefill); "
+                        "the gaps between their tokens before, during and after its prefill")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,13 +148,22 @@ def main(argv: list[str] | None = None) -> int:
             cmd = _llama_server(args.model, 1, port, args.threads, 8192, lookup=False)
         else:
             raise UserError(f"unknown server {name!r}")
+        if args.stall:  # room for the streams beside the long prompt
+            cmd = [*cmd[:cmd.index("--parallel") + 1], "4", *cmd[cmd.index("--parallel") + 2:]] if name != \
+                "llama-server" else _llama_server(args.model, 4, port, args.threads, 8192, lookup=False)
         server = Server(name, cmd, port, out / f"{name}.log")
         try:
             server.wait_ready()
-            results[name] = asyncio.run(conversation(server.url, args.model, args.turns, args.max_tokens, doc))
+            if args.stall:
+                results[name] = asyncio.run(stall(server.url, args.model, document(args.stall)))
+            else:
+                results[name] = asyncio.run(conversation(server.url, args.model, args.turns, args.max_tokens, doc))
         finally:
             server.stop()
-        print(name, [r["ttft_s"] for r in results[name]], flush=True)
+        print(name, results[name] if args.stall else [r["ttft_s"] for r in results[name]], flush=True)
+    if args.stall:
+        (out / "stall.json").write_text(json.dumps(results, indent=1))
+        return 0
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [f"| time to first token, s | {' | '.join(f'turn {i + 1}' for i in range(args.turns))} |",
              "|---|" + "---|" * args.turns]
