@@ -288,3 +288,14 @@ def test_subprocess_bad_input():
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and "temperature" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_generate_into_a_closed_pipe_ends_quietly():
+    """`moaspec generate ... | head -c 1`: the reader goes away; no traceback (BrokenPipeError is an OSError and
+    was caught as one, re-raised)."""
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m moaspec generate --prompt 'Count to fifty.' --max-new-tokens 64 --stream | head -c 1"
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr[-1500:]

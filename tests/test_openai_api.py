@@ -427,5 +427,14 @@ def test_open_api_refuses_other_hosts_and_cross_site_posts(dec_lookup):
         same = httpx.post(run.url + "/chat/completions", json=body, timeout=60,
                           headers={"Origin": f"http://127.0.0.1:{run.port}"})
         assert same.status_code == 200
+        for host in ("[::1", "[zz"):  # no URL parser takes them: a 400, never a 500
+            odd = httpx.post(run.url + "/chat/completions", json=body, headers={"Host": host})
+            assert odd.status_code in (400, 403), (host, odd.status_code, odd.text)
+        odd_origin = httpx.post(run.url + "/chat/completions", json=body, headers={"Origin": "http://[::1"})
+        assert odd_origin.status_code == 403
+        page = httpx.get(run.url.removesuffix("/v1") + "/")
+        csp = page.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in csp and "base-uri 'none'" in csp and "form-action 'self'" in csp
+        assert "unsafe-inline" not in csp
     finally:
         run.stop()

@@ -175,7 +175,8 @@ def test_malformed_messages_get_errors_and_the_session_survives(served, smol_tok
     assert step["type"] == "step" and step["length"] == len(prompt)
     for frame in (pack({"type": "verify", "tokens": [step["bonus"]] * 40, "parents": [-1, *range(39)]}),  # > 32
                   pack({"type": "verify", "tokens": [1, 2], "parents": [-1, 5]}),
-                  pack({"type": "verify", "tokens": [1, 2], "parents": [-1, 0], "dists": {"0": [[3], [1.0]]}})):
+                  pack({"type": "verify", "tokens": [1, 2], "parents": [-1, 0], "dists": {"0": [[3], [1.0]]}}),
+                  pack({"type": "verify", "tokens": [1, 2], "parents": [-1, 0], "dists": {"\u00b2": [[3], [1.0]]}})):
         reply = _ask(ws, frame)
         assert reply["type"] == "error" and not reply["fatal"]
     step2 = _ask(ws, pack({"type": "verify", "tokens": [step["bonus"]], "parents": [-1]}))

@@ -1024,16 +1024,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPT
+    except BrokenPipeError:  # e.g. `moaspec generate ... | head -1` (an OSError: caught before them)
+        with contextlib.suppress(Exception):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise
         # a full disk (or a file size limit) mid-write: every file is written aside first, nothing is half-written
         _error(UserError(f"could not write {e.filename or 'a file'}: {e.strerror}; free some space and run the same "
                          "command again: it resumes from what was written whole"))
-        return 1
-    except BrokenPipeError:  # e.g. `moaspec generate ... | head -1`
-        with contextlib.suppress(Exception):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except SystemExit as e:  # --help / --version from argparse
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -275,8 +275,10 @@ class Stats:
 
 STATIC = Path(__file__).resolve().parent / "static"  # the chat page at /
 # the page runs only its own scripts (vendored), and talks only to this server
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'",
-                "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+                                           "frame-ancestors 'none'; form-action 'self'; base-uri 'none'; "
+                                           "object-src 'none'",
+                "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Cache-Control": "no-cache"}
 
 
 class OpenAIServer:
@@ -366,7 +368,7 @@ class OpenAIServer:
         size = request.headers.get("content-length", "")
         limit = self.limits.max_body_bytes
         too_big = ApiError(413, f"the request body exceeds {limit} bytes.", code="request_too_large")
-        if size.isdigit() and int(size) > limit:
+        if size.isascii() and size.isdigit() and int(size) > limit:
             raise too_big
         body = bytearray()
         async for part in request.stream():
@@ -751,12 +753,19 @@ class SameSiteOnly:
 
     def refusal(self, scope) -> ApiError | None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        host = urlsplit(f"//{headers.get('host', '')}").hostname or ""
+        try:
+            host = urlsplit(f"//{headers.get('host', '')}").hostname or ""
+        except ValueError:  # "[::1" and other hosts no URL parser takes
+            return ApiError(400, f"the Host header {headers.get('host', '')!r} is not a host name", code="bad_host")
         if host not in self.api.hosts:
             return ApiError(403, f"this open API answers requests to {', '.join(sorted(self.api.hosts))} only, not "
                             f"to {host!r}", code="forbidden_host")
         origin = headers.get("origin")
-        if origin is not None and (urlsplit(origin).hostname or "") not in self.api.hosts:
+        try:
+            origin_host = urlsplit(origin).hostname or "" if origin is not None else None
+        except ValueError:
+            origin_host = ""
+        if origin is not None and origin_host not in self.api.hosts:
             return ApiError(403, f"cross-site requests are refused (Origin {origin})", code="forbidden_origin")
         return None
 

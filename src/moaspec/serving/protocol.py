@@ -176,7 +176,8 @@ def tree_from_wire(header: dict[str, Any], vocab: int, limits: Limits) -> Tree:
     if not isinstance(raw, dict) or len(raw) > len(tokens):
         raise ProtocolError("'dists' must map tree nodes to [ids, probs]")
     for node, value in raw.items():
-        if not (isinstance(node, str) and node.isdigit() and isinstance(value, list) and len(value) == 2):
+        if not (isinstance(node, str) and node.isascii() and node.isdigit() and isinstance(value, list)
+                and len(value) == 2):  # ascii: "²" is a digit to isdigit() and not to int()
             raise ProtocolError("'dists' must map tree nodes to [ids, probs]")
         ids = _ints(value[0], "dists ids", 0, vocab, vocab)
         probs = value[1]

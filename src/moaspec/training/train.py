@@ -616,7 +616,7 @@ class Trainer:
         (folder / "point.json").write_text(json.dumps({**info, "config": asdict(self.cfg)}, indent=1))
 
     def load_state(self) -> None:
-        state = torch.load(self.out / "trainer.pt", weights_only=False)
+        state = torch.load(self.out / "trainer.pt", weights_only=True)  # tensors and plain data only: no code runs
         missing = [st.label for st in self.students if st.label not in state["opt"]]
         if missing:
             raise UserError(f"{self.out} holds a run without {', '.join(missing)}: resume it with the same "
@@ -658,7 +658,7 @@ def run_config(run: str | Path) -> dict:
             exported = _exported_config(run)
             if exported is not None:
                 return exported
-        return torch.load(run / "trainer.pt", weights_only=False)["config"]
+        return torch.load(run / "trainer.pt", weights_only=True)["config"]
     except (OSError, KeyError, RuntimeError, ValueError) as e:
         raise UserError(f"{run} is neither a training run folder (readable trainer.pt) nor a learning "
                         f"curve's point (point.json): {e}") from None
