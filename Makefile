@@ -25,6 +25,7 @@ demo: setup
 	$(BIN)/moaspec generate --prompt "$(PROMPT)" --max-new-tokens 128
 
 test: setup browser
+	$(BIN)/ruff check src tests tools
 	$(BIN)/pytest -q
 
 # Debian's Chromium for the chat page's browser test (tests/test_page.py), installed where this runs as root

@@ -1,4 +1,4 @@
-"""Client-server mode over real sockets under network profiles (PAPER.md section 6).
+"""Client-server mode over real sockets under network profiles (arXiv 2410.03804, section 6).
 
     python -m moaspec.bench.network --model qwen2.5-coder-0.5b --out bench-out/network
 

@@ -1,4 +1,4 @@
-"""`moaspec bench`: the paper's table (PAPER.md section 7) on this machine, next to the peers a user
+"""`moaspec bench`: the paper's table (arXiv 2410.03804, section 7) on this machine, next to the peers a user
 would otherwise pick.
 
 Every method answers every question in turn (interleaved per question, so machine drift hits all

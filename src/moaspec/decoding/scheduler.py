@@ -1,6 +1,6 @@
 """Continuous batching: one model, many sequences, one forward pass at a time over all their rows.
 
-The server's step, after llama-server's `update_slots()` (DESIGN.md, "Many sessions, one model"): every
+The server's step, after llama-server's `update_slots()` (docs/architecture.md): every
 sequence with work (a prompt chunk, a draft tree, a single token) hands its rows to `Scheduler.run`
 from its own thread and blocks; the scheduler's thread gathers what waits into one
 `Transformer.forward_batch` (bounded rows per pass, first come first served, so no sequence waits more

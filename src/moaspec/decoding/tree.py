@@ -64,7 +64,7 @@ MAX_TREE_TOKENS = 256  # draft tokens per target pass (its rows, the root aside)
 class TreeConfig:
     """EAGLE-2 tree shape: `depth` draft steps, `topk` children per expanded node, and `total_tokens`
     draft nodes kept after reranking (the pass scores `total_tokens + 1` rows with the root).
-    CPU default is small (CPU.md: verifying many tokens is compute-bound); the paper's GPU
+    CPU default is small (docs/results.md: verifying many tokens is compute-bound); the paper's GPU
     default is depth 6, top-k 8, 62 tokens. Bounded by MAX_DEPTH, MAX_TOPK and MAX_TREE_TOKENS; a
     path of `depth` drafts is `depth` nodes, so `total_tokens` is at least `depth` (fewer would
     leave the deepest draft steps unused)."""
@@ -377,7 +377,7 @@ def grow_tree(
     cfg: TreeConfig,
     vocab: torch.Tensor | None = None,
 ) -> Tree:
-    """EAGLE-2 dynamic tree (PAPER.md section 5); for a `SampledTreeConfig`, `grow_sampled_tree`.
+    """EAGLE-2 dynamic tree (arXiv 2410.03804, section 5); for a `SampledTreeConfig`, `grow_sampled_tree`.
 
     Step 1 takes the top-k children of the root; each further step expands the k frontier nodes with
     top-k children each, scores them by cumulative log-prob and keeps the best k as the new frontier.

@@ -7,7 +7,7 @@ seeded sampling's, token for token, whatever the drafter proposed. Unseeded samp
 the path, goes by recursive rejection sampling over its children, of one of two kinds:
 
 - children proposed deterministically (top-k, lookup): the draft probability of a tried child is
-  taken as 1 (PAPER.md section 5): accept child x with probability p(x), else remove x from p,
+  taken as 1 (arXiv 2410.03804, section 5): accept child x with probability p(x), else remove x from p,
   renormalise and try the next sibling in score order;
 - children sampled without replacement from a stated q (`Tree.dists`; Jeon et al. 2024, "Recursive
   Speculative Decoding"): in sampling order, accept x with probability min(1, p(x) / q(x)), else

@@ -1,4 +1,4 @@
-"""EAGLE-2 drafter: the feature-level autoregressive baseline MoA is compared with (PAPER.md sections 2, 5, 7).
+"""EAGLE-2 drafter: the feature-level autoregressive baseline MoA is compared with (arXiv 2410.03804, sections 2, 5, 7).
 
 Target side: `FeatureEncoder` hands the drafter the target's final (post-norm) hidden state f_j of every
 newly committed slot j. Drafting side: `EagleDrafter`, one decoder layer of the target's width over
@@ -14,7 +14,7 @@ sits at RoPE position j. After the target has committed slots 0..P-1 (features f
 emitted the root x_P, the drafter runs the pending rows (f_j, x_{j+1}) and the root row
 (f_{P-1}, x_P) at slot P - 1, whose output f^_P gives the root's children. A drafted node at depth d
 is the row (prediction of its parent's row, its own token) at position P - 1 + d in a tentative
-cache slot: EAGLE feeds its own predicted features back while drafting (off-policy, PAPER.md 2).
+cache slot: EAGLE feeds its own predicted features back while drafting (off-policy, arXiv 2410.03804, section 2).
 Only trainable weights (fc, the layer) and `vocab_ids` are in the state dict.
 
 What it shares with the other trained drafters (target binding, trimmed head, checkpoints, drafting
@@ -90,7 +90,7 @@ class EagleConfig(TargetBoundConfig):
         **overrides: Any,
     ) -> EagleConfig:
         """One decoder layer shaped like the target's (heads, KV heads, head_dim, MLP = intermediate
-        size). For Llama-3-8B: fc 33.6M + layer 218M = 252M trainable, MoA's 264M (PAPER.md 3)."""
+        size). For Llama-3-8B: fc 33.6M + layer 218M = 252M trainable, MoA's 264M (the paper, section 3)."""
         c = model_cfg
         sizes: dict[str, Any] = dict(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                      mlp=c.intermediate_size)

@@ -1,4 +1,4 @@
-"""Independent small drafter: the classic small-LM baseline of PAPER.md section 7, trained on the same
+"""Independent small drafter: the classic small-LM baseline of arXiv 2410.03804, section 7, trained on the same
 data and budget as MoA but reading no target state (its `encoder` is None).
 
 A few causal decoder layers of the target's width over the target's frozen token embeddings, its own

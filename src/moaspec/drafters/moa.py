@@ -1,6 +1,6 @@
-"""The Mixture-of-Attentions drafter (PAPER.md sections 3-5; arXiv 2410.03804).
+"""The Mixture-of-Attentions drafter (arXiv 2410.03804, sections 3-5).
 
-Two halves, split at the client-server seam (DESIGN.md):
+Two halves, split at the client-server seam (docs/architecture.md):
 
 - `ContextEncoder` runs next to the target. For every newly verified token it gathers the K/V of all
   target layers, runs Layer Self-Attention (LSA: one bidirectional decoder layer whose sequence is the
@@ -151,7 +151,7 @@ class MoAConfig(TargetBoundConfig):
 
 # ----------------------------------------------------------------------------- training masks
 def verification_starts(T: int, prompt_len: int | torch.Tensor, every: int | torch.Tensor) -> torch.Tensor:
-    """start[i]: the last verified slot whose context row i may read (PAPER.md section 4).
+    """start[i]: the last verified slot whose context row i may read (arXiv 2410.03804, section 4).
 
     Verified slots ("verification points") are every prompt slot j < prompt_len and every j with
     j % every == 0. Row i (token x_i at position i) sees the contexts of slots j <= start[i], with

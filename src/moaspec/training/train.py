@@ -1,4 +1,4 @@
-"""Drafter training with the target in the loop: MoA on-policy (PAPER.md section 4), and the EAGLE-2
+"""Drafter training with the target in the loop: MoA on-policy (arXiv 2410.03804, section 4), and the EAGLE-2
 and independent baselines with the same data, loop, loss weights and budget.
 
 The frozen target's features come from a cache (features.py): computed the first time a sequence is
