@@ -438,3 +438,24 @@ def test_open_api_refuses_other_hosts_and_cross_site_posts(dec_lookup):
         assert "unsafe-inline" not in csp
     finally:
         run.stop()
+
+
+def test_with_a_key_the_description_and_figures_need_it_and_bounds_hold(served):
+    """/openapi.json answers only with the key; /health says "ok" to anyone and its figures only with the key;
+    a conversation of more messages than the prompt bound has tokens is refused before its template runs."""
+    base = served[1].url.removesuffix("/v1")
+    assert httpx.get(base + "/openapi.json").status_code == 401
+    assert "paths" in httpx.get(base + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    assert "requests" in httpx.get(base + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+    many = {"model": SMOL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}] * 300}
+    _error(_post(served, "/chat/completions", many), 400, code="context_length_exceeded")
+
+
+def test_a_public_plaintext_listener_or_a_short_key_is_warned_of():
+    from moaspec.serving.runner import exposure_warnings
+
+    assert exposure_warnings("127.0.0.1", "a" * 32, tls=False) == []
+    assert any("plaintext" in w for w in exposure_warnings("0.0.0.0", "a" * 32, tls=False))
+    assert exposure_warnings("0.0.0.0", "a" * 32, tls=True) == []
+    assert any("characters" in w for w in exposure_warnings("127.0.0.1", "short", tls=False))

@@ -34,9 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -67,7 +67,7 @@ from moaspec.serving import api_schema as S
 from moaspec.serving.admission import Admission
 from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
 from moaspec.serving.protocol import Busy
-from moaspec.serving.runner import in_worker
+from moaspec.serving.runner import exposure_warnings, in_worker, is_loopback
 from moaspec.serving.runner import serve as run
 
 if TYPE_CHECKING:
@@ -448,7 +448,11 @@ class OpenAIServer:
         times the prompt bound (so a 4 MiB body costs no tokenizer time)."""
         if self._longest_token is None:
             self._longest_token = max(len(t) for t in self.dec.tokenizer.get_vocab())
+        bound = min(self.limits.max_prompt_tokens, self._context() - 1)
         if isinstance(req, ChatRequest):
+            if len(req.messages) > bound:  # each message adds at least a token of its template's markers
+                raise ApiError(400, f"the conversation has {len(req.messages)} messages, more than the {bound} tokens "
+                               "this server takes can hold.", param=param, code="context_length_exceeded")
             chars = sum(len(m.as_dict()["content"]) for m in req.messages)
         else:
             prompt = req.prompt
@@ -673,7 +677,8 @@ class OpenAIServer:
     def _build_app(self) -> FastAPI:
         from moaspec import __version__
 
-        app = FastAPI(title="moaspec OpenAI-compatible API", version=__version__, docs_url=None, redoc_url=None)
+        app = FastAPI(title="moaspec OpenAI-compatible API", version=__version__, docs_url=None, redoc_url=None,
+                      openapi_url=None if self.token is not None else "/openapi.json")
         app.state.api = self
         S.install_openapi(app, {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest},
                           self.model_name, self.limits.max_tokens,
@@ -698,8 +703,19 @@ class OpenAIServer:
             code = "not_found" if e.status_code == 404 else None
             return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code).response()
 
+        if self.token is not None:  # the API's description only to those with the key
+            @app.get("/openapi.json", include_in_schema=False)
+            async def openapi_doc(request: Request) -> JSONResponse:
+                self._authorise(request)
+                return JSONResponse(app.openapi())
+
         @app.get("/health", include_in_schema=False)
-        async def health() -> dict[str, Any]:
+        async def health(request: Request) -> dict[str, Any]:
+            """Up or not for anyone (a load balancer's probe); the figures only with the key."""
+            try:
+                self._authorise(request)
+            except ApiError:
+                return {"status": "ok"}
             return {"status": "ok", "model": self.model_name, "requests": self.stats.requests,
                     "cancelled": self.stats.cancelled}
 
@@ -797,15 +813,6 @@ def create_app(dec: SpecDecoder, model_name: str, token: str | None = None, limi
     return OpenAIServer(dec, model_name, token, limits, drafter, hosts, scheduler_thread).app
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def check_host(host: str, token: str | None) -> None:
     """An API without a key may only listen on loopback."""
     if token is None and not is_loopback(host):
@@ -816,6 +823,9 @@ def check_host(host: str, token: str | None) -> None:
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **tls: str) -> None:
     """Run the API until interrupted (the batched passes on this thread unless the scheduler has its own)."""
     check_host(host, app.state.api.token)
+    for warning in exposure_warnings(host, app.state.api.token, bool(tls.get("ssl_certfile"))):
+        log.warning(warning)
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     try:
         run(app, app.state.api.scheduler, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
             **tls)

@@ -7,6 +7,7 @@ both; so does uvicorn stopping on its own (a port in use).
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import threading
 from collections.abc import Callable
@@ -58,3 +59,28 @@ def serve(app: Any, scheduler: Scheduler | None, **config: Any) -> None:
         server.should_exit = True
         thread.join(timeout=15)
         scheduler.close()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+MIN_KEY_CHARS = 16
+
+
+def exposure_warnings(host: str, token: str | None, tls: bool) -> list[str]:
+    """What a server about to listen on `host` should warn of: plaintext on a non-loopback address (the key
+    and every prompt travel in clear), a key short enough to guess."""
+    out = []
+    if not is_loopback(host) and not tls:
+        out.append(f"serving plaintext HTTP on {host}: the key and every prompt and answer cross the network in "
+                   "clear; pass --ssl-certfile and --ssl-keyfile, or put a TLS proxy in front")
+    if token is not None and len(token) < MIN_KEY_CHARS:
+        out.append(f"the key has {len(token)} characters; use at least {MIN_KEY_CHARS} random ones "
+                   "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    return out

@@ -24,6 +24,7 @@ import hmac
 import logging
 import os
 import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -57,7 +58,7 @@ from moaspec.serving.protocol import (
     tree_from_wire,
     unpack,
 )
-from moaspec.serving.runner import in_worker
+from moaspec.serving.runner import exposure_warnings, in_worker
 from moaspec.serving.runner import serve as run
 
 log = logging.getLogger("moaspec.serve")
@@ -365,6 +366,10 @@ def serve(server: TargetServer, host: str = "127.0.0.1", port: int = 8765, ssl_c
     by `max_connections`: past that uvicorn answers 503 before any handshake work); the batched passes run
     on this thread unless the scheduler has its own."""
     torch.set_grad_enabled(False)
+    for token in server.tokens_allowed:
+        for warning in exposure_warnings(host, token, bool(ssl_certfile)):
+            log.warning(warning)
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     try:
         run(server.app, server.scheduler, host=host, port=port, ws_max_size=server.limits.max_message_bytes,
             log_level="warning", ws_ping_interval=20.0, ws_ping_timeout=20.0,
