@@ -526,8 +526,9 @@ void rope_(torch::Tensor y, const torch::Tensor& cos, const torch::Tensor& sin_s
                     cos.size(0), cos.size(1));
 }
 
-// [g | u] [R, 2M] -> silu(g) * u [R, M]; e^-|g| vectorised (sigmoid from either side), each element alone.
-torch::Tensor silu_mul(const torch::Tensor& gu) {
+// [g | u] [R, 2M] -> act(g) * u [R, M], 8 lanes at a time, each element alone; `act` maps 8 g to 8 act(g).
+template <typename Act>
+torch::Tensor gated(const torch::Tensor& gu, Act act) {
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 16 == 0 && gu.scalar_type() == torch::kFloat32 && gu.is_contiguous(),
               "gate_up must be contiguous float32 [rows, 2 * M] with M a multiple of 8");
   const int64_t R = gu.size(0), M = gu.size(1) / 2;
@@ -535,44 +536,37 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   const float* g = gu.data_ptr<float>();
   float* ap = a.data_ptr<float>();
   at::parallel_for(0, R, R >= 32 ? 16 : R, [&](int64_t r0, int64_t r1) {
-    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t j = 0; j < M; j += 8) {
         const __m256 gv = _mm256_loadu_ps(g + r * 2 * M + j), uv = _mm256_loadu_ps(g + r * 2 * M + M + j);
-        const __m256 e = exp256(_mm256_or_ps(gv, sign));  // e^-|g|
-        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
-        const __m256 sig = _mm256_blendv_ps(_mm256_mul_ps(e, inv), inv, pos);
-        _mm256_storeu_ps(ap + r * M + j, _mm256_mul_ps(_mm256_mul_ps(gv, sig), uv));
+        _mm256_storeu_ps(ap + r * M + j, _mm256_mul_ps(act(gv), uv));
       }
   });
   return a;
 }
 
-// [g | u] [R, 2M] -> gelu(g) * u [R, M], gelu's tanh form (Gemma's gelu_pytorch_tanh):
-// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh from e^-2|z|; each element alone.
-torch::Tensor gelu_mul(const torch::Tensor& gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 16 == 0 && gu.scalar_type() == torch::kFloat32 && gu.is_contiguous(),
-              "gate_up must be contiguous float32 [rows, 2 * M] with M a multiple of 8");
-  const int64_t R = gu.size(0), M = gu.size(1) / 2;
-  auto a = torch::empty({R, M}, torch::kFloat32);
-  const float* g = gu.data_ptr<float>();
-  float* ap = a.data_ptr<float>();
-  at::parallel_for(0, R, R >= 32 ? 16 : R, [&](int64_t r0, int64_t r1) {
-    const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
-    const __m256 c0 = _mm256_set1_ps(0.7978845608028654f), c1 = _mm256_set1_ps(0.044715f), m2 = _mm256_set1_ps(-2.f);
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t j = 0; j < M; j += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + r * 2 * M + j), uv = _mm256_loadu_ps(g + r * 2 * M + M + j);
-        const __m256 z = _mm256_mul_ps(c0, _mm256_fmadd_ps(_mm256_mul_ps(c1, gv), _mm256_mul_ps(gv, gv), gv));
-        const __m256 az = _mm256_andnot_ps(sign, z);
-        const __m256 e = exp256(_mm256_mul_ps(m2, az));  // e^-2|z|
-        const __m256 th = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)),
-                                       _mm256_and_ps(sign, z));
-        _mm256_storeu_ps(ap + r * M + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, gv), _mm256_add_ps(one, th)), uv));
-      }
+// silu(g) * u; e^-|g| vectorised (sigmoid from either side).
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  return gated(gu, [](__m256 gv) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    const __m256 e = exp256(_mm256_or_ps(gv, _mm256_set1_ps(-0.0f)));  // e^-|g|
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
+    return _mm256_mul_ps(gv, _mm256_blendv_ps(_mm256_mul_ps(e, inv), inv, pos));
   });
-  return a;
+}
+
+// gelu(g) * u, gelu's tanh form (Gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))),
+// tanh from e^-2|z|.
+torch::Tensor gelu_mul(const torch::Tensor& gu) {
+  return gated(gu, [](__m256 gv) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 z = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), gv), _mm256_mul_ps(gv, gv), gv));
+    const __m256 e = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.f), _mm256_andnot_ps(sign, z)));  // e^-2|z|
+    const __m256 th = _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), _mm256_and_ps(sign, z));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), gv), _mm256_add_ps(one, th));
+  });
 }
 
 // RMS norm in place over each head of d columns of y [R, N], `heads` heads from column col0, weight w [d]

@@ -1,9 +1,10 @@
-"""A compact Llama/Qwen2 runtime built for speculative decoding.
+"""A compact decoder runtime built for speculative decoding, one for every family (`models/families`: Llama,
+Mistral, Qwen2, Qwen3, Gemma 3, Phi-3; the spec says what differs).
 
 It owns a static KV cache (batch 1) and offers what the engine and the drafters need:
 prefill, scoring a draft tree in one pass (tree mask + per-node positions), committing the accepted
 path (compacting the cache), the K/V of every layer and the hidden states of chosen layers.
-transformers stays the loader of record for tokenizer and chat template, and the test oracle.
+transformers is only the tests' oracle.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class ModelConfig:
     model_type: str
     eos_token_ids: tuple[int, ...]
     # what the family spec (`families`) and its config add to Llama's block
-    family: Family = field(default_factory=lambda: families.family("llama"), compare=False)
+    family: Family = field(default_factory=lambda: families.family("llama"), compare=False, repr=False)
     rope_scaling: dict | None = field(default=None, compare=False)  # global layers' (`rope.inv_freq`)
     rope_factors: tuple[float, ...] | None = None  # per-frequency divisors from a GGUF (Llama 3's rope_freqs)
     local_rope_theta: float | None = None  # sliding-window layers' own RoPE base (Gemma 3)
@@ -103,7 +104,7 @@ class ModelConfig:
             rope_theta=float(glob.get("rope_theta", 10000.0)),
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             max_position=int(c.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", fam.embed_scale)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", fam.tied_by_default)),
             model_type=fam.name,
             eos_token_ids=eos,
             family=fam,
@@ -532,7 +533,7 @@ class Rows:
 
 
 class Transformer:
-    """Llama/Qwen2 decoder over a batch-1 `KVCache`.
+    """A decoder of any supported family over a batch-1 `KVCache`.
 
     `forward` writes new K/V at slots [length, length + n) of a cache and attends to [0, length + n)
     under an optional mask; nothing is committed until the cache's `commit`/`advance`, so a tree pass

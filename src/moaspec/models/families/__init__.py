@@ -49,7 +49,7 @@ class Family:
     chat_template: str | None = None  # for a file that carries none
     stop_tokens: tuple[str, ...] = ()  # token texts that end a turn besides the file's eos
     gguf_config: Callable[[GGUFFile], dict] | None = None  # family-only config keys from a GGUF's metadata
-    note: str = ""
+    tied_by_default: bool = False  # a config.json without tie_word_embeddings ties them (Gemma)
 
     def layer_windows(self, c: Mapping) -> tuple[int, ...]:
         """Each layer's sliding window (0: full attention) from a Hugging Face config."""

@@ -50,4 +50,4 @@ def gguf_config(gguf: GGUFFile) -> dict:
 FAMILY = Family(name="gemma3_text", hf_class="Gemma3ForCausalLM", gguf_arch="gemma3", tensors=TENSORS,
                 mlp_norm="pre_feedforward_layernorm", qk_norm=True, sandwich_norms=True,
                 activation=GELU_TANH, embed_scale=True, norm_offset=1.0, chat_template=TEMPLATE,
-                stop_tokens=("<end_of_turn>",), gguf_config=gguf_config)
+                stop_tokens=("<end_of_turn>",), gguf_config=gguf_config, tied_by_default=True)
