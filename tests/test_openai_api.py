@@ -244,7 +244,9 @@ def test_request_errors_are_openai_shaped_400s(served, client):
     _error(_post(served, "/chat/completions", both), 400, param="max_tokens")
     _error(_post(served, "/chat/completions", {**base, "temperature": 3}), 400, param="temperature")
     _error(_post(served, "/chat/completions", {**base, "stop": ["ok", ""]}), 400, param="stop")
-    _error(_post(served, "/chat/completions", {**base, "logprobs": True}), 400, param="logprobs")
+    _error(_post(served, "/chat/completions", {**base, "top_logprobs": 3}), 400, param="top_logprobs")
+    _error(_post(served, "/chat/completions", {**base, "logprobs": True, "top_logprobs": 21}), 400)
+    _error(_post(served, "/chat/completions", {**base, "logit_bias": {"5": 1}}), 400, param="logit_bias")
     _error(_post(served, "/chat/completions", {"model": SMOL, "messages": []}), 400, param="messages")
     _error(_post(served, "/chat/completions", {"model": SMOL, "messages": [{"role": "wizard", "content": "hi"}]}),
            400)
@@ -459,3 +461,32 @@ def test_a_public_plaintext_listener_or_a_short_key_is_warned_of():
     assert any("plaintext" in w for w in exposure_warnings("0.0.0.0", "a" * 32, tls=False))
     assert exposure_warnings("0.0.0.0", "a" * 32, tls=True) == []
     assert any("characters" in w for w in exposure_warnings("127.0.0.1", "short", tls=False))
+
+
+def test_logprobs_from_the_verification_pass_match_plain_decoding(served, client, dec_none):
+    """`logprobs` / `top_logprobs` (chat, streamed or not) and the legacy completions `logprobs`: one entry per
+    answer token, its text, its log-probability under the target as the verification pass scored it (the same
+    as plain decoding's, the drafter's accepted tokens included), the greedy token its row's likeliest."""
+    import math
+
+    from moaspec.decoding.engine import GenerationConfig as Cfg
+
+    r = client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=N, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and "".join(c.token for c in content) == \
+        r.choices[0].message.content
+    plain = [lp for d in dec_none.stream(MESSAGES, Cfg(max_new_tokens=N, logprobs=3)) for lp in d.logprobs]
+    assert len(plain) == len(content)
+    for c, (value, top) in zip(content, plain, strict=True):
+        assert abs(c.logprob - value) < 1e-4 and len(c.top_logprobs) == 3
+        assert c.top_logprobs[0].logprob == c.logprob and c.logprob <= 0 and math.isfinite(c.logprob)
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    streamed = [e for ch in client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=N, temperature=0,
+                                                           logprobs=True, stream=True)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [c.logprob for c in content]
+    done = client.completions.create(model=SMOL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == done.usage.completion_tokens
+    assert "".join(lp.tokens) == done.choices[0].text and lp.text_offset[0] == 0

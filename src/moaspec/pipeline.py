@@ -19,7 +19,7 @@ import torch
 
 from moaspec.decoding.engine import TARGET, Engine, GenerationConfig, Metrics
 from moaspec.decoding.prefix_cache import PrefixCache
-from moaspec.decoding.target import ContextEncoder, LocalTarget, TargetSide
+from moaspec.decoding.target import ContextEncoder, LocalTarget, TargetSide, TokenLogprob
 from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig, split_min_prob, tree_for_costs
 from moaspec.drafters import build_drafter
 from moaspec.drafters.trained import encoder_id
@@ -86,6 +86,7 @@ class Delta:
     round: int
     pending: list[str] = field(default_factory=list)
     retract: int = 0
+    logprobs: list[TokenLogprob] | None = None  # per token of `tokens`, with `GenerationConfig.logprobs`
 
 
 @dataclass
@@ -327,6 +328,7 @@ class SpecDecoder:
         ids = list(prompt) if _is_ids(prompt) else self.encode(prompt, chat=chat)
         tokens: list[int] = []
         origins: list[str] = []  # who wrote each of `tokens`
+        lps: list[TokenLogprob | None] = []  # their log-probabilities, with cfg.logprobs (unverified: None)
         unverified: list[int] = []
         sent = 0  # tokens yielded so far
         shown = ""
@@ -348,6 +350,8 @@ class SpecDecoder:
             if not chunk.verified:  # the end came before the target did: the text ends unverified
                 self.engine.metrics.unverified_in_output = len(unverified)
             origins += [UNVERIFIED] * len(unverified) + (chunk.origins if chunk.verified else [])
+            lps += [None] * len(unverified) + (list(chunk.logprobs or [None] * len(chunk.tokens))
+                                               if chunk.verified else [])
             tokens += unverified + (chunk.tokens if chunk.verified else [])
             unverified = []
             text = self.decode(tokens)
@@ -371,7 +375,7 @@ class SpecDecoder:
                 self.engine.metrics.new_tokens = keep
             cut = self._pieces(tokens, origins, sent, keep, shown, visible) if pieces else []
             yield Delta(visible[len(shown):], tokens[sent:keep], finish, cut, self.engine.metrics.target_calls,
-                        retract=pieces_shown)
+                        retract=pieces_shown, logprobs=lps[sent:keep] if cfg.logprobs is not None else None)
             sent, shown, pending, pieces_shown = keep, visible, "", 0
             if finish is not None:
                 return

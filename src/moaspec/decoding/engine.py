@@ -15,7 +15,7 @@ import torch
 
 from moaspec.decoding.drafter import Drafter
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.target import TargetSide, TargetUnavailable
+from moaspec.decoding.target import MAX_TOP_LOGPROBS, TargetSide, TargetUnavailable, TokenLogprob
 from moaspec.decoding.tree import AdaptiveChain, DraftSampling, Tree, TreeConfig
 from moaspec.errors import ContextLengthError, UserError
 
@@ -39,6 +39,9 @@ class GenerationConfig:
     offline: bool = True
     resync: str = "correct"
     reconnect_timeout_s: float = 30.0  # how long to wait for the target once nothing more can be drafted
+    # each new token's log-probability under the target (its raw distribution, as verification scored it),
+    # with that many likeliest alternatives (0: the token's own only); None: none
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -48,6 +51,9 @@ class GenerationConfig:
         if not (isinstance(self.reconnect_timeout_s, (int, float)) and not isinstance(self.reconnect_timeout_s, bool)
                 and self.reconnect_timeout_s >= 0):
             raise UserError(f"reconnect_timeout_s must be >= 0, got {self.reconnect_timeout_s}")
+        if self.logprobs is not None and not (type(self.logprobs) is int and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise UserError(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS} (alternatives per token), "
+                            f"got {self.logprobs!r}")
 
 
 @dataclass
@@ -110,6 +116,8 @@ class Chunk:
     # per token, who wrote it: the drafter whose draft the target accepted (its name, or a hybrid's part),
     # or TARGET for the target's own token (the first of a generation, and each round's bonus)
     origins: list[str] = field(default_factory=list)
+    # per token, with `GenerationConfig.logprobs`: (its log-probability, [(id, log-probability)] alternatives)
+    logprobs: list[TokenLogprob] | None = None
 
 
 TARGET = "target"
@@ -153,7 +161,7 @@ class Engine:
         m = self.metrics = Metrics(prompt_tokens=len(prompt))
         eos = () if cfg.ignore_eos else self.target.eos_token_ids
         t0 = time.perf_counter()
-        step = self.target.start(prompt, cfg.sampling, cfg.max_new_tokens)
+        step = self.target.start(prompt, cfg.sampling, cfg.max_new_tokens, logprobs=cfg.logprobs)
         length = step.length
         m.prefill_s = time.perf_counter() - t0
         m.cached_tokens = step.cached
@@ -165,6 +173,7 @@ class Engine:
         self._drafts, self._t0 = drafts, t0
         new = step.verdict.new_tokens
         origins = [TARGET] * len(new)
+        lps = step.logprobs
         root = new[-1]
         out: list[int] = []  # verified new tokens so far
         rollback = 0
@@ -176,12 +185,12 @@ class Engine:
                 m.new_tokens += n
                 m.total_s = time.perf_counter() - t0
                 yield Chunk(new[:n], "stop" if cut is not None and cut < room else "length", rollback=rollback,
-                            origins=origins[:n])
+                            origins=origins[:n], logprobs=lps[:n] if lps is not None else None)
                 return
             m.new_tokens += len(new)
             m.total_s = time.perf_counter() - t0
             out += new
-            yield Chunk(new, rollback=rollback, origins=origins)
+            yield Chunk(new, rollback=rollback, origins=origins, logprobs=lps)
             rollback = 0
 
             t1 = time.perf_counter()
@@ -196,6 +205,7 @@ class Engine:
                 if resumed is None:
                     return
                 new, origins, length, rollback = resumed
+                lps = None
                 root = new[-1]
                 continue
             t3 = time.perf_counter()
@@ -213,6 +223,7 @@ class Engine:
             new = v.new_tokens
             origins = [tree.origins.get(i, self.drafter.name) for i in v.path[1:]] + [TARGET] \
                 if self.drafter is not None else [TARGET]
+            lps = step.logprobs
             root = v.bonus
 
     def _draft_sampling(self, cfg: GenerationConfig, root_index: int) -> DraftSampling | None:

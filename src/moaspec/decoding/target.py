@@ -96,6 +96,22 @@ def top_candidates(tokens: list[int], logits: torch.Tensor, k: int) -> Candidate
     return Candidates(list(tokens), ids, probs)
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+# a token's log-probability and its likeliest alternatives [(id, log-probability)]
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under its row of `logits` [n, V] (the target's raw distribution), with the
+    `top` likeliest ids of that row."""
+    logp = torch.log_softmax(logits.float(), -1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if top == 0:
+        return [(c, []) for c in chosen]
+    vals, ids = logp.topk(top, -1)
+    return [(c, list(zip(i, v, strict=True))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist(), strict=True)]
+
+
 @dataclass
 class Step:
     verdict: Verdict
@@ -103,6 +119,7 @@ class Step:
     length: int = 0  # tokens committed in the target's cache after this step
     target_ms: float = 0.0  # the target's own time for the step (a remote caller's rest is the network)
     cached: int = 0  # a start's prompt tokens found in a kept KV cache (not prefilled)
+    logprobs: list[TokenLogprob] | None = None  # per new token (verdict.new_tokens), when the start asked
 
 
 class TargetSide(Protocol):
@@ -110,11 +127,12 @@ class TargetSide(Protocol):
     max_seq_len: int
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
-              resume: bool = False) -> Step:
+              resume: bool = False, logprobs: int | None = None) -> Step:
         """Prefill a prompt and give the first token; `max_new_tokens`: at most how many tokens follow (a
         server sizes the generation's memory by it); `resume`: the prompt is a generation's prompt and
         verified output, started again after the target went away (a server then takes it up to its
-        whole context, not only its longest new prompt)."""
+        whole context, not only its longest new prompt); `logprobs`: every step of this generation
+        reports its tokens' log-probabilities with that many alternatives (`Step.logprobs`)."""
         ...
 
     def verify(self, tree: Tree) -> Step: ...
@@ -162,6 +180,7 @@ class LocalTarget:
         self.generator: torch.Generator | None = None  # unseeded sampling's draws
         self.noise: TokenNoise | None = None  # seeded sampling's race
         self.costs = costs
+        self.logprobs: int | None = None  # the generation's `start(logprobs=...)`
 
     @property
     def length(self) -> int:
@@ -234,8 +253,9 @@ class LocalTarget:
         return own
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
-              resume: bool = False) -> Step:
+              resume: bool = False, logprobs: int | None = None) -> Step:
         t0 = time.perf_counter()
+        self.logprobs = logprobs
         if not prompt:
             raise UserError("the prompt is empty")
         if len(prompt) >= self.max_seq_len:
@@ -254,9 +274,13 @@ class LocalTarget:
         first = verify(Tree.chain(prompt[-1]), out.logits[-1:], params, self.generator, self.noise,
                        len(prompt) - 1).bonus
         if self.candidates:
-            return self._step(Verdict([], [], first), top_candidates(prompt[-1:], out.logits[-1:], self.candidates), t0,
-                              kept)
-        return self._step(Verdict([], [], first), self._context(0, out, slice(None)), t0, kept)
+            step = self._step(Verdict([], [], first), top_candidates(prompt[-1:], out.logits[-1:], self.candidates),
+                              t0, kept)
+        else:
+            step = self._step(Verdict([], [], first), self._context(0, out, slice(None)), t0, kept)
+        if self.logprobs is not None:
+            step.logprobs = token_logprobs(out.logits[-1:], [first], self.logprobs)
+        return step
 
     def verify(self, tree: Tree) -> Step:
         t0 = time.perf_counter()
@@ -275,5 +299,9 @@ class LocalTarget:
             if self.row_invariant:
                 self.cache.exact = self.cache.length
         if self.candidates:
-            return self._step(verdict, top_candidates(tree.tokens, out.logits, self.candidates), t0)
-        return self._step(verdict, self._context(start, out, verdict.path), t0)
+            step = self._step(verdict, top_candidates(tree.tokens, out.logits, self.candidates), t0)
+        else:
+            step = self._step(verdict, self._context(start, out, verdict.path), t0)
+        if self.logprobs is not None:  # token k was scored by the row of the path node before it
+            step.logprobs = token_logprobs(out.logits[verdict.path], verdict.new_tokens, self.logprobs)
+        return step

@@ -58,10 +58,34 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None = None
+    refusal: list[TokenLogprobEntry] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions endpoint's shape."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"]
     unverified: bool | None = None
 
@@ -78,7 +102,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
     unverified: bool | None = None
 
@@ -108,7 +132,7 @@ def dump(model: BaseModel) -> dict[str, Any]:
     """A response body: optional extension fields that are unset are left out, as OpenAI does."""
     body = model.model_dump(exclude_none=True)
     for choice in body.get("choices", []):
-        choice["logprobs"] = None  # OpenAI writes it out, as null
+        choice.setdefault("logprobs", None)  # OpenAI writes it out, as null when not asked for
     return body
 
 

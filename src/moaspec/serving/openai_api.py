@@ -58,6 +58,7 @@ from moaspec.decoding.engine import GenerationConfig, Metrics
 from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
+from moaspec.decoding.target import MAX_TOP_LOGPROBS
 from moaspec.decoding.tree import MAX_TREE_TOKENS
 from moaspec.drafters import ready_drafters
 from moaspec.errors import ContextLengthError, UserError
@@ -191,7 +192,7 @@ class _Request(BaseModel):
 
     # field -> its values that mean "not used": any other value is a 400
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+        "logit_bias": (None, {}),
         "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
         "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
         "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
@@ -242,10 +243,21 @@ class Message(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None  # each answer token's log-probability under the target
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # with that many likeliest alternatives
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)  # legacy: the token's and that many alternatives
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 _Request.model_rebuild()
@@ -440,7 +452,11 @@ class OpenAIServer:
         if req.weights is not None and req.weights not in self.weight_modes:
             raise ApiError(400, f"weight mode {req.weights!r} is not offered here; choose one of "
                            f"{', '.join(self.weight_modes)}.", param="weights", code="invalid_value")
-        return Job(ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops),
+        logprobs = req.logprobs_asked()
+        if logprobs is not None and self.dec.remote is not None:
+            raise ApiError(400, "logprobs need the target's logits, which stay on its server.", param="logprobs",
+                           code="unsupported_parameter")
+        return Job(ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops, logprobs=logprobs),
                    req.weights or self.weights, req.drafter, bool(req.stream))
 
     def _check_text_length(self, req: _Request, param: str) -> None:
@@ -600,12 +616,16 @@ class OpenAIServer:
                                      headers=headers)
         parts: list[str] = []
         completion, finish, metrics, live = 0, "length", None, None
+        tokens: list[int] = []
+        logprobs: list = []
         try:
             async with contextlib.aclosing(self._rounds(request, job)) as rounds:
                 async for d, now, m in rounds:
                     live = now
                     parts.append(d.text)
                     completion += len(d.tokens)
+                    tokens += d.tokens
+                    logprobs += d.logprobs or []
                     finish, metrics = d.finish or finish, m or metrics
         except Exception as e:
             self.stats.errors += 1
@@ -613,12 +633,16 @@ class OpenAIServer:
         text = "".join(parts)
         unverified = True if metrics is not None and metrics.unverified_in_output else None
         usage = self._usage(len(job.ids), completion, metrics, live)
+        asked = job.cfg.logprobs is not None
         if chat:
+            lp = S.ChoiceLogprobs(content=self._chat_logprobs(tokens, logprobs)) if asked else None
             body: BaseModel = S.ChatCompletion(id=rid, created=created, model=self.model_name, usage=usage, choices=[
-                S.ChatChoice(message=S.AssistantMessage(content=text), finish_reason=finish, unverified=unverified)])
+                S.ChatChoice(message=S.AssistantMessage(content=text), logprobs=lp, finish_reason=finish,
+                             unverified=unverified)])
         else:
+            lp = self._completion_logprobs(tokens, logprobs, 0) if asked else None
             body = S.Completion(id=rid, created=created, model=self.model_name, usage=usage, choices=[
-                S.CompletionChoice(text=text, finish_reason=finish, unverified=unverified)])
+                S.CompletionChoice(text=text, logprobs=lp, finish_reason=finish, unverified=unverified)])
         return JSONResponse(S.dump(body))
 
     async def _events(self, request: Request, req: _Request, job: Job, rid: str, created: int) -> AsyncIterator[str]:
@@ -630,15 +654,21 @@ class OpenAIServer:
         def event(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+        offset = 0  # characters of the answer so far (the legacy logprobs' text_offset)
+
         def chunk(text: str | None, finish: str | None, role: bool = False, unverified: bool = False,
-                  ext: dict[str, Any] | None = None) -> str:
+                  ext: dict[str, Any] | None = None, d: Delta | None = None) -> str:
+            lp = None
+            if d is not None and d.logprobs is not None:
+                lp = S.ChoiceLogprobs(content=self._chat_logprobs(d.tokens, d.logprobs)).model_dump() if chat \
+                    else self._completion_logprobs(d.tokens, d.logprobs, offset).model_dump()
             if chat:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
             if unverified:
                 choice["unverified"] = True
             return event({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -652,11 +682,12 @@ class OpenAIServer:
             async with contextlib.aclosing(self._rounds(request, job)) as rounds:
                 async for d, live, m in rounds:
                     completion += len(d.tokens)
-                    if d.text or d.pending or d.retract:
+                    if d.text or d.pending or d.retract or (d.tokens and d.logprobs is not None):
                         ext = {"round": d.round, "pieces": [list(p) for p in d.pieces], **live}
                         if d.pending or d.retract:
                             ext.update(pending=d.pending, retract=d.retract)
-                        yield chunk(d.text, None, ext=ext)
+                        yield chunk(d.text, None, ext=ext, d=d)
+                        offset += len(d.text)
                     if d.finish is not None:
                         yield chunk(None, d.finish, unverified=bool(m and m.unverified_in_output),
                                     ext={"round": d.round, "pieces": [], **live})
@@ -669,6 +700,36 @@ class OpenAIServer:
                          "created": created, "model": self.model_name, "choices": [],
                          "usage": self._usage(len(job.ids), completion, metrics, live).model_dump(exclude_none=True)})
         yield "data: [DONE]\n\n"
+
+    def _piece(self, token: int) -> str:
+        return self.dec.decode([token])
+
+    def _chat_logprobs(self, tokens: list[int], logprobs: list) -> list[S.TokenLogprobEntry]:
+        """OpenAI's chat `logprobs.content`: per token its text, bytes, log-probability and alternatives."""
+        out = []
+        for tok, lp in zip(tokens, logprobs, strict=False):
+            if lp is None:  # written while a remote target was away: never scored
+                continue
+            piece = self._piece(tok)
+            out.append(S.TokenLogprobEntry(
+                token=piece, logprob=lp[0], bytes=list(piece.encode()),
+                top_logprobs=[S.TopLogprob(token=(p := self._piece(i)), logprob=v, bytes=list(p.encode()))
+                              for i, v in lp[1]]))
+        return out
+
+    def _completion_logprobs(self, tokens: list[int], logprobs: list, offset: int) -> S.CompletionLogprobs:
+        """The legacy completions `logprobs` (tokens, token_logprobs, top_logprobs, text_offset)."""
+        pieces, values, tops, offsets = [], [], [], []
+        for tok, lp in zip(tokens, logprobs, strict=False):
+            if lp is None:
+                continue
+            piece = self._piece(tok)
+            pieces.append(piece)
+            values.append(lp[0])
+            tops.append({self._piece(i): v for i, v in lp[1]})
+            offsets.append(offset)
+            offset += len(piece)
+        return S.CompletionLogprobs(tokens=pieces, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 
     # ------------------------------------------------------------ routes
     def _model_card(self) -> S.ModelCard:

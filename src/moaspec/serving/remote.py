@@ -308,7 +308,10 @@ class RemoteTarget:
         return Step(verdict, context, int(header["length"]), float(header["target_ms"]), int(header.get("cached", 0)))
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
-              resume: bool = False) -> Step:
+              resume: bool = False, logprobs: int | None = None) -> Step:
+        if logprobs is not None:
+            raise UserError("log-probabilities need the target's logits, which stay on the target server: "
+                            "ask for them from a local target (or the server's own API)")
         if not resume:  # a new generation may find the server in another weight mode than the last one did
             self.generating = False
         if not self.available():
