@@ -479,7 +479,8 @@ def test_logprobs_from_the_verification_pass_match_plain_decoding(served, client
     plain = [lp for d in dec_none.stream(MESSAGES, Cfg(max_new_tokens=N, logprobs=3)) for lp in d.logprobs]
     assert len(plain) == len(content)
     for c, (value, top) in zip(content, plain, strict=True):
-        assert abs(c.logprob - value) < 1e-4 and len(c.top_logprobs) == 3
+        assert abs(c.logprob - value) < 1e-4 and len(c.top_logprobs) == len(top) == 3
+        assert all(abs(t.logprob - v) < 1e-4 for t, (_, v) in zip(c.top_logprobs, top, strict=True))
         assert c.top_logprobs[0].logprob == c.logprob and c.logprob <= 0 and math.isfinite(c.logprob)
         assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
     streamed = [e for ch in client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=N, temperature=0,
