@@ -247,6 +247,9 @@ def test_request_errors_are_openai_shaped_400s(served, client):
     _error(_post(served, "/chat/completions", {**base, "top_logprobs": 3}), 400, param="top_logprobs")
     _error(_post(served, "/chat/completions", {**base, "logprobs": True, "top_logprobs": 21}), 400)
     _error(_post(served, "/chat/completions", {**base, "logit_bias": {"5": 1}}), 400, param="logit_bias")
+    for name, value in (("top_k", 40), ("min_p", 0.05), ("repetition_penalty", 1.1), ("tool_choice", "auto"),
+                        ("grammar", "root ::= \"a\""), ("json_schema", {"type": "object"})):
+        _error(_post(served, "/chat/completions", {**base, name: value}), 400, param=name)  # never ignored
     _error(_post(served, "/chat/completions", {"model": SMOL, "messages": []}), 400, param="messages")
     _error(_post(served, "/chat/completions", {"model": SMOL, "messages": [{"role": "wizard", "content": "hi"}]}),
            400)

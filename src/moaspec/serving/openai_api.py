@@ -196,6 +196,10 @@ class _Request(BaseModel):
         "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
         "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
         "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+        # other servers' sampling and grammar fields: refused, never silently ignored
+        "top_k": (None, 0, -1), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+        "grammar": (None, ""), "json_schema": (None, {}), "tool_choice": (None, "none"), "guided_json": (None,),
+        "guided_regex": (None,), "guided_choice": (None,),
     }
 
     def check(self) -> None:
