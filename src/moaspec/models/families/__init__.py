@@ -11,12 +11,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from moaspec.errors import UserError
-
-if TYPE_CHECKING:
-    from moaspec.models.gguf_file import GGUFFile
 
 SILU, GELU_TANH = "silu", "gelu_tanh"
 
@@ -27,6 +24,16 @@ LLAMA_TENSORS: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+class GGUFMeta(Protocol):
+    """What a family reads of a GGUF file (`gguf_file.GGUFFile`) to describe its model."""
+
+    tensors: Mapping[str, Any]
+
+    def key(self, name: str, default: Any = None) -> Any: ...
+
+    def dequantize(self, name: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ class Family:
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # a stacked tensor -> the ones it stacks
     chat_template: str | None = None  # for a file that carries none
     stop_tokens: tuple[str, ...] = ()  # token texts that end a turn besides the file's eos
-    gguf_config: Callable[[GGUFFile], dict] | None = None  # family-only config keys from a GGUF's metadata
+    gguf_config: Callable[[GGUFMeta], dict] | None = None  # family-only config keys from a GGUF's metadata
     tied_by_default: bool = False  # a config.json without tie_word_embeddings ties them (Gemma)
 
     def layer_windows(self, c: Mapping) -> tuple[int, ...]:

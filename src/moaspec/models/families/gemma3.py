@@ -5,12 +5,7 @@ scaled by sqrt(hidden), five sliding-window layers (local RoPE base 10,000) to o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from moaspec.models.families import GELU_TANH, QK_NORM_TENSORS, Family
-
-if TYPE_CHECKING:
-    from moaspec.models.gguf_file import GGUFFile
+from moaspec.models.families import GELU_TANH, QK_NORM_TENSORS, Family, GGUFMeta
 
 TENSORS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
            "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
@@ -29,7 +24,7 @@ TEMPLATE = (
 )
 
 
-def gguf_config(gguf: GGUFFile) -> dict:
+def gguf_config(gguf: GGUFMeta) -> dict:
     heads = int(gguf.key("attention.head_count"))
     hidden = int(gguf.key("embedding_length"))
     head_dim = int(gguf.key("attention.key_length", hidden // heads))

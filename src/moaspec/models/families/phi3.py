@@ -3,18 +3,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from moaspec.models.families import Family
-
-if TYPE_CHECKING:
-    from moaspec.models.gguf_file import GGUFFile
+from moaspec.models.families import Family, GGUFMeta
 
 TENSORS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
            "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def gguf_config(gguf: GGUFFile) -> dict:
+def gguf_config(gguf: GGUFMeta) -> dict:
     out: dict = {}
     window = gguf.key("attention.sliding_window")
     if window:
