@@ -85,20 +85,31 @@ def _cache_of(model, ids: list[int]):
 
 
 def test_the_prefix_cache_keeps_the_longest_within_its_budget(smol_model):
+    """The longest of one conversation's caches is kept, least recently used out first within the budget, and
+    a cache is offered only to the model that computed it (another weight mode's K/V would be wrong)."""
     one = _cache_of(smol_model, list(range(10)))
     size = one.nbytes
     store = PrefixCache(budget=2 * size)
-    assert store.put(one)
-    assert store.put(_cache_of(smol_model, list(range(20))))  # extends the first: the first goes
+    store.put(smol_model, one)
     assert len(store) == 1
-    assert store.put(_cache_of(smol_model, [7] * 12))
+    store.put(smol_model, _cache_of(smol_model, list(range(20))))  # extends the first: the first goes
+    assert len(store) == 1 and one.capacity == 0  # its memory given back
+    store.put(smol_model, _cache_of(smol_model, [7] * 12))
+    assert len(store) == 2
     into = smol_model.new_cache(64)
-    got = store.copy_best(list(range(15)) + [99], into, lambda c, n: n)
+    other_mode = object()  # the same weights in another mode: a model of its own
+    assert store.copy_best(other_mode, list(range(15)) + [99], into, lambda c, n: n) == 0 and into.length == 0
+    got = store.copy_best(smol_model, list(range(15)) + [99], into, lambda c, n: n)
     assert got == 15 and into.ids == list(range(15)) and into.length == 15
-    assert torch.equal(into.k[:, :, :15], store._entries[1].k[:, :, :15])
-    assert store.put(_cache_of(smol_model, [3] * 5))  # over budget: the least recently used goes
-    assert store.nbytes <= store.budget and store.evictions == 1
-    assert store.copy_best([7] * 12, into, lambda c, n: n) == 0  # it was the evicted one
+    assert torch.equal(into.k[:, :, :15], store._entries[1][1].k[:, :, :15])
+    store.put(smol_model, _cache_of(smol_model, [3] * 5))  # over budget: the least recently used goes
+    assert len(store) == 2 and store.nbytes <= store.budget and store.evictions == 1
+    assert store.copy_best(smol_model, [7] * 12, into, lambda c, n: n) == 0  # it was the evicted one
+    empty = _cache_of(smol_model, [1, 2])
+    empty.ids = []  # slots whose tokens nobody recorded: nothing reusable
+    assert empty.capacity > 0
+    store.put(smol_model, empty)  # not kept, its memory given back
+    assert len(store) == 2 and empty.capacity == 0
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
 
 

@@ -207,12 +207,13 @@ class SpecDecoder:
         none, gives its memory back."""
         if self.cache is None:
             return
-        if self.prefix is not None and self.prefix.put(self.cache):
-            self.cache = self.target.new_cache(self.cache.size)
-            if isinstance(self.engine.target, LocalTarget):
-                self.engine.target.cache = self.cache
-        else:
+        if self.prefix is None:
             self.cache.release()
+            return
+        self.prefix.put(self.target, self.cache)
+        self.cache = self.target.new_cache(self.cache.size)
+        if isinstance(self.engine.target, LocalTarget):
+            self.engine.target.cache = self.cache
 
     def close(self) -> None:
         """End a fork: its memory and its remote session (with any reconnection attempts)."""

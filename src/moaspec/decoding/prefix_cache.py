@@ -7,6 +7,9 @@ decoder copies the longest matching prefix into its own cache when it starts (co
 of concurrent sessions. Entries live within a byte budget, least recently used out first; an entry whose
 tokens another entry extends is dropped (the longer one answers for both).
 
+Each entry names the model (weights in one mode) that computed it, and is only offered to that model: a
+server answering in several weight modes shares one budget, never one mode's K/V with another.
+
 Reuse is lossless: with row-invariant kernels (the quantised modes) a slot's K/V are the same bits however
 the rows were grouped into passes, so any common prefix is kept; elsewhere only the whole prefill chunks a
 cold prefill would compute alike (`KVCache.exact`).
@@ -37,7 +40,7 @@ class PrefixCache:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self._entries: OrderedDict[int, KVCache] = OrderedDict()  # LRU order: oldest first
+        self._entries: OrderedDict[int, tuple[object, KVCache]] = OrderedDict()  # (model, cache), oldest first
         self._next = 0
         self._lock = threading.Lock()
         self.lookups = self.hits = self.hit_tokens = self.evictions = 0
@@ -45,37 +48,43 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(c.nbytes for c in self._entries.values())
+            return sum(c.nbytes for _, c in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, cache: KVCache) -> bool:
-        """Keep a finished session's cache (taking it: the caller gives its session a new one). False where it
-        holds nothing reusable or cannot fit the budget at all."""
+    def put(self, model: object, cache: KVCache) -> None:
+        """Take a finished session's cache, computed by `model` (the caller gives its session a new one): kept
+        if it holds reusable tokens and fits the budget, else its memory is given back at once."""
         n = cache.known
-        if n == 0 or self.budget <= 0 or cache.nbytes > self.budget:
-            return False
+        if n == 0 or cache.nbytes > self.budget:
+            cache.release()
+            return
         del cache.ids[n:]
         with self._lock:
-            for key, old in list(self._entries.items()):
-                if common_prefix(old.ids, cache.ids) == old.known:  # it adds nothing this one lacks
+            for key, (owner, old) in list(self._entries.items()):
+                if owner is model and common_prefix(old.ids, cache.ids) == old.known:  # this one holds it all
                     del self._entries[key]
-            self._entries[self._next] = cache
+                    old.release()
+            self._entries[self._next] = (model, cache)
             self._next += 1
-            self._evict(0)
-        return True
+            total = sum(c.nbytes for _, c in self._entries.values())
+            while total > self.budget:  # least recently used out first
+                _, (_, old) = self._entries.popitem(last=False)
+                total -= old.nbytes
+                self.evictions += 1
+                old.release()
 
-    def copy_best(self, prompt: list[int], into: KVCache, usable: Callable[[KVCache, int], int],
+    def copy_best(self, model: object, prompt: list[int], into: KVCache, usable: Callable[[KVCache, int], int],
                   at_least: int = 1) -> int:
-        """Copy into `into` the longest prefix of `prompt` a kept cache holds, as far as `usable(cache,
-        common)` allows, if that is at least `at_least` slots; the slots copied (0: nothing changed). The
-        entry is marked recently used; the copy runs under the lock, so no eviction frees it meanwhile."""
+        """Copy into `into` the longest prefix of `prompt` that a cache `model` computed holds, as far as
+        `usable(cache, common)` allows, if that is at least `at_least` slots; the slots copied (0: nothing
+        changed). The entry is marked recently used; the copy runs under the lock, so no eviction frees it
+        meanwhile."""
         with self._lock:
-            self.lookups += 1
             best, length, key = None, 0, None
-            for k, c in self._entries.items():
-                n = usable(c, common_prefix(c.ids, prompt))
+            for k, (owner, c) in self._entries.items():
+                n = usable(c, common_prefix(c.ids, prompt)) if owner is model else 0
                 if n > length:
                     best, length, key = c, n, k
             if best is None or length < at_least:
@@ -84,30 +93,15 @@ class PrefixCache:
             into.copy_prefix(best, length)
             return length
 
-    def count_hit(self, tokens: int) -> None:
+    def count(self, kept: int) -> None:
+        """A start looked for its prompt's prefix and kept `kept` slots (from here or its own cache)."""
         with self._lock:
-            self.hits += tokens > 0
-            self.hit_tokens += tokens
-
-    def make_room(self, nbytes: int) -> int:
-        """Evict least recently used entries until `nbytes` more fit in the budget (what admission asks when
-        generations need the memory); the bytes freed."""
-        with self._lock:
-            return self._evict(nbytes)
-
-    def _evict(self, nbytes: int) -> int:
-        freed = 0
-        total = sum(c.nbytes for c in self._entries.values())
-        while self._entries and total + nbytes > self.budget:
-            _, old = self._entries.popitem(last=False)
-            total -= old.nbytes
-            freed += old.nbytes
-            self.evictions += 1
-            old.release()
-        return freed
+            self.lookups += 1
+            self.hits += kept > 0
+            self.hit_tokens += kept
 
     def clear(self) -> None:
         with self._lock:
-            for c in self._entries.values():
+            for _, c in self._entries.values():
                 c.release()
             self._entries.clear()

@@ -242,15 +242,13 @@ class LocalTarget:
             self.cache.reset()
             return 0
         own = self._usable(self.cache, common_prefix(self.cache.ids[:self.cache.known], prompt), prompt)
+        got = 0 if self.prefix is None else self.prefix.copy_best(
+            self.model, prompt, self.cache, lambda c, n: self._usable(c, n, prompt), at_least=own + 1)
+        if not got:
+            self.cache.truncate(own) if own else self.cache.reset()
         if self.prefix is not None:
-            got = self.prefix.copy_best(prompt, self.cache, lambda c, n: self._usable(c, n, prompt), at_least=own + 1)
-            if got:
-                self.prefix.count_hit(got)
-                return got
-        self.cache.truncate(own) if own else self.cache.reset()
-        if self.prefix is not None:
-            self.prefix.count_hit(own)
-        return own
+            self.prefix.count(got or own)
+        return got or own
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
               resume: bool = False, logprobs: int | None = None) -> Step:

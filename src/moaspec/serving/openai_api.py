@@ -36,7 +36,6 @@ import contextlib
 import hmac
 import json
 import logging
-import sys
 import threading
 import time
 import uuid
@@ -68,7 +67,7 @@ from moaspec.serving import api_schema as S
 from moaspec.serving.admission import Admission
 from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
 from moaspec.serving.protocol import Busy
-from moaspec.serving.runner import exposure_warnings, in_worker, is_loopback
+from moaspec.serving.runner import in_worker, is_loopback, warn_exposure
 from moaspec.serving.runner import serve as run
 
 if TYPE_CHECKING:
@@ -888,9 +887,7 @@ def check_host(host: str, token: str | None) -> None:
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **tls: str) -> None:
     """Run the API until interrupted (the batched passes on this thread unless the scheduler has its own)."""
     check_host(host, app.state.api.token)
-    for warning in exposure_warnings(host, app.state.api.token, bool(tls.get("ssl_certfile"))):
-        log.warning(warning)
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    warn_exposure(host, [app.state.api.token], bool(tls.get("ssl_certfile")))
     try:
         run(app, app.state.api.scheduler, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
             **tls)

@@ -84,3 +84,13 @@ def exposure_warnings(host: str, token: str | None, tls: bool) -> list[str]:
         out.append(f"the key has {len(token)} characters; use at least {MIN_KEY_CHARS} random ones "
                    "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
     return out
+
+
+def warn_exposure(host: str, tokens: list[str | None], tls: bool) -> None:
+    """Say `exposure_warnings` on stderr (and the log) before a server starts listening."""
+    import logging
+    import sys
+
+    for warning in dict.fromkeys(w for token in tokens for w in exposure_warnings(host, token, tls)):
+        logging.getLogger("moaspec.serve").warning(warning)
+        print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -24,7 +24,6 @@ import hmac
 import logging
 import os
 import socket
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -58,7 +57,7 @@ from moaspec.serving.protocol import (
     tree_from_wire,
     unpack,
 )
-from moaspec.serving.runner import exposure_warnings, in_worker
+from moaspec.serving.runner import in_worker, warn_exposure
 from moaspec.serving.runner import serve as run
 
 log = logging.getLogger("moaspec.serve")
@@ -154,8 +153,9 @@ class Session:
         self.target = None
         if self.cache is not None:
             # kept for this session's next turn or, after a reconnect, its next session (within the budget)
-            prefix = self.server.prefix
-            if prefix is None or not prefix.put(self.cache):
+            if self.server.prefix is not None:
+                self.server.prefix.put(self.server.model, self.cache)
+            else:
                 self.cache.release()
             self.cache = None
         if self.reserved is not None:
@@ -366,10 +366,7 @@ def serve(server: TargetServer, host: str = "127.0.0.1", port: int = 8765, ssl_c
     by `max_connections`: past that uvicorn answers 503 before any handshake work); the batched passes run
     on this thread unless the scheduler has its own."""
     torch.set_grad_enabled(False)
-    for token in server.tokens_allowed:
-        for warning in exposure_warnings(host, token, bool(ssl_certfile)):
-            log.warning(warning)
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+    warn_exposure(host, server.tokens_allowed, bool(ssl_certfile))
     try:
         run(server.app, server.scheduler, host=host, port=port, ws_max_size=server.limits.max_message_bytes,
             log_level="warning", ws_ping_interval=20.0, ws_ping_timeout=20.0,
