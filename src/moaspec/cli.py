@@ -829,13 +829,10 @@ def _model_rows() -> list[dict]:
             config = json.loads((folder / "config.json").read_text())
         except (OSError, ValueError):
             return {}
-        from gguf import LlamaFileType
+        from moaspec.models.gguf_file import file_type_name
 
-        try:
-            fmt = LlamaFileType(int(pointer.get("file_type"))).name.removeprefix("MOSTLY_")
-        except (TypeError, ValueError):
-            fmt = "?"
-        return {"family": config.get("model_type"), "format": fmt, "bytes": pointer.get("size"),
+        return {"family": config.get("model_type"), "format": file_type_name(pointer.get("file_type")) or "?",
+                "bytes": pointer.get("size"),
                 "context": config.get("max_position_embeddings"), "file": pointer.get("path")}
 
     rows = []

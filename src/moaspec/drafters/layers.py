@@ -103,11 +103,13 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [B, H, n, hd], k/v [B, Hkv, m, hd]; mask bool [n, m] or [B, n, m], True = may attend."""
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | None = None) -> torch.Tensor:
+    """q [B, H, n, hd], k/v [B, Hkv, m, hd]; mask bool [n, m] or [B, n, m], True = may attend; `scale` of q.k
+    (None: 1/sqrt(hd))."""
     if mask is not None and mask.dim() == 3:
         mask = mask[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 GROUPED_ROWS = 8  # up to this many query rows, `attend_rows` runs each KV head's query heads as one group
@@ -400,7 +402,7 @@ class FrozenTargetLayer:
             k, v = cache.update(start, k, v)
         elif prefix is not None:
             k, v = torch.cat([prefix[0], k], 2), torch.cat([prefix[1], v], 2)
-        att = _merge_heads(_attention(q, k, v, mask))
+        att = _merge_heads(_attention(q, k, v, mask, c.attn_scale if c.query_scalar else None))
         if lay.gate_up is not None:
             flat = x.reshape(-1, x.shape[-1])
             return lay.ffn(lay.attn_out(flat, att.reshape(flat.shape[0], -1))).view(x.shape)

@@ -74,9 +74,6 @@ class LazyStrings(Sequence[str]):
     def __iter__(self):
         return iter(self._decoded())
 
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
-
 
 class _Cursor:
     """Little-endian reads from the mapped header, with a clear error at the end of the file."""
@@ -344,16 +341,20 @@ def hf_config(gguf: GGUFFile) -> dict:
     return config
 
 
+def file_type_name(ftype: object) -> str | None:
+    """llama.cpp's name of a `general.file_type` (15: "Q4_K_M"), or None where it names none."""
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_")  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+
+
 def summary(gguf: GGUFFile) -> dict:
     """What a user asks of a GGUF before running it, from its header alone: family, parameters, format,
     context, tokenizer, file size, and whether it runs here (else why not)."""
-    from gguf import LlamaFileType
-
-    ftype = gguf.meta.get("general.file_type")
-    try:
-        fmt = LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_") if ftype is not None else None
-    except ValueError:
-        fmt = None
+    fmt = file_type_name(gguf.meta.get("general.file_type"))
     if fmt is None:  # the commonest tensor format stands for the file
         kinds = [t.type.name for t in gguf.tensors.values() if len(t.shape) == 2]
         fmt = max(set(kinds), key=kinds.count) if kinds else "?"
@@ -396,8 +397,9 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 def build_tokenizer(gguf: GGUFFile):
-    """The file's byte-level BPE vocabulary as a `tokenizers.Tokenizer` (with its special tokens), split
-    as its `tokenizer.ggml.pre` says; llama.cpp's token ids, no transformers needed."""
+    """The file's vocabulary as a `tokenizers.Tokenizer` (with its special tokens): byte-level BPE split as its
+    `tokenizer.ggml.pre` says, or SentencePiece (`_sentencepiece`); llama.cpp's token ids, no transformers
+    needed."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     meta = gguf.meta
@@ -407,19 +409,16 @@ def build_tokenizer(gguf: GGUFFile):
     else:
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # type: ignore[union-attr]
         tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if meta.get("tokenizer.ggml.model") == "llama":
-        pass  # SentencePiece: no pre-tokenizer (`_sentencepiece` set the normalizer and decoder)
-    elif pre == "smollm":  # digits one by one, then GPT-2's byte-level split (SmolLM2's own tokenizer)
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    elif pre in _SPLITS:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), "isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                              use_regex=False)])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if meta.get("tokenizer.ggml.model") != "llama":
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre == "smollm":  # digits one by one, then GPT-2's byte-level split (SmolLM2's own tokenizer)
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        elif pre in _SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), "isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type")
     types = [] if types is None else list(types)  # type: ignore[arg-type]

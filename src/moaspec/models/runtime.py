@@ -64,8 +64,7 @@ class ModelConfig:
     rope_factors: tuple[float, ...] | None = None  # per-frequency divisors from a GGUF (Llama 3's rope_freqs)
     local_rope_theta: float | None = None  # sliding-window layers' own RoPE base (Gemma 3)
     windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for full attention ((): none anywhere)
-    attn_scale: float = 0.0  # of q.k (0: 1 / sqrt(head_dim))
-    embed_scale: float = 1.0
+    query_scalar: float | None = None  # Gemma's query_pre_attn_scalar: q.k is scaled by its 1/sqrt (None: head_dim)
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
@@ -92,7 +91,6 @@ class ModelConfig:
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         windows = fam.layer_windows(c)
-        scalar = c.get("query_pre_attn_scalar")
         return cls(
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
@@ -112,9 +110,18 @@ class ModelConfig:
             rope_factors=tuple(c["rope_factors"]) if c.get("rope_factors") else None,
             local_rope_theta=float(local["rope_theta"]) if local and any(windows) else None,
             windows=windows if any(windows) else (),
-            attn_scale=float(scalar) ** -0.5 if scalar else 1.0 / math.sqrt(head_dim),
-            embed_scale=math.sqrt(c["hidden_size"]) if fam.embed_scale else 1.0,
+            query_scalar=float(c["query_pre_attn_scalar"]) if c.get("query_pre_attn_scalar") else None,
         )
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor of q.k: 1/sqrt of the family's query scalar, else of head_dim."""
+        return self.query_scalar ** -0.5 if self.query_scalar else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def embed_scale(self) -> float:
+        """The factor of a token's embedding (Gemma: sqrt(hidden))."""
+        return math.sqrt(self.hidden_size) if self.family.embed_scale else 1.0
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -568,9 +575,10 @@ class Transformer:
         self.cos, self.sin = cfg.rope_tables(self.max_seq_len, self.device)
         self.sin_signed = signed_sin(self.sin)  # the decoding path's table (`rope_rows`)
         # the sliding-window layers' own tables where the family gives them another base (Gemma 3)
-        self.cos_local, self.sin_local = cfg.rope_tables(self.max_seq_len, self.device, local=True) \
-            if cfg.local_rope_theta is not None else (self.cos, self.sin)
-        self.sin_signed_local = signed_sin(self.sin_local) if cfg.local_rope_theta is not None else self.sin_signed
+        self.cos_local, self.sin_signed_local = self.cos, self.sin_signed
+        if cfg.local_rope_theta is not None:
+            self.cos_local, sin_local = cfg.rope_tables(self.max_seq_len, self.device, local=True)
+            self.sin_signed_local = signed_sin(sin_local)
         self.local = [cfg.local_rope_theta is not None and cfg.window(i) > 0 for i in range(cfg.num_layers)]
         self.cache = self.new_cache()
         self.scale = cfg.attn_scale

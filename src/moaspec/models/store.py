@@ -342,7 +342,7 @@ def _describe(gguf_path: Path, dest: Path, *, marker: str, fingerprint: str | No
     the file's metadata, gguf.json naming the file. The file is read and checked (header, every tensor within
     the file, a family this runtime runs) before anything is written. `fingerprint`: the weights' identity
     (None: the file's sha256 prefix)."""
-    from moaspec.models.gguf_file import GGUFError, GGUFFile, build_tokenizer, check_family, hf_config, tokenizer_config
+    from moaspec.models.gguf_file import GGUFError, GGUFFile, build_tokenizer, file_family, hf_config, tokenizer_config
 
     try:
         gguf = GGUFFile(gguf_path)
@@ -350,7 +350,7 @@ def _describe(gguf_path: Path, dest: Path, *, marker: str, fingerprint: str | No
         tokenizer = build_tokenizer(gguf)
     except GGUFError as e:
         raise ModelStoreError(str(e)) from e
-    template = gguf.meta.get("tokenizer.chat_template") or check_family(gguf).chat_template or _CHATML_TEMPLATE
+    template = gguf.meta.get("tokenizer.chat_template") or file_family(gguf).chat_template or _CHATML_TEMPLATE
     if fingerprint is None:
         fingerprint = _hash_file(gguf_path, progress, f"Fingerprinting {gguf_path.name}")[:16]
     st = gguf_path.stat()
