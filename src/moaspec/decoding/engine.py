@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from moaspec.decoding.drafter import Drafter
+from moaspec.decoding.logit_rules import LogitRules
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.target import MAX_TOP_LOGPROBS, TargetSide, TargetUnavailable, TokenLogprob
 from moaspec.decoding.tree import AdaptiveChain, DraftSampling, Tree, TreeConfig
@@ -42,6 +43,8 @@ class GenerationConfig:
     # each new token's log-probability under the target (its raw distribution, as verification scored it),
     # with that many likeliest alternatives (0: the token's own only); None: none
     logprobs: int | None = None
+    # what verification does to the target's logits before it picks: bias, penalties, a grammar
+    rules: LogitRules | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -161,7 +164,7 @@ class Engine:
         m = self.metrics = Metrics(prompt_tokens=len(prompt))
         eos = () if cfg.ignore_eos else self.target.eos_token_ids
         t0 = time.perf_counter()
-        step = self.target.start(prompt, cfg.sampling, cfg.max_new_tokens, logprobs=cfg.logprobs)
+        step = self.target.start(prompt, cfg.sampling, cfg.max_new_tokens, logprobs=cfg.logprobs, rules=cfg.rules)
         length = step.length
         m.prefill_s = time.perf_counter() - t0
         m.cached_tokens = step.cached

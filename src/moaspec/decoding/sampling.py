@@ -22,13 +22,14 @@ def _number(x: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy. top_k 0 and top_p 1 disable those filters (applied in HF order:
-    temperature, then top-k, then top-p)."""
+    """temperature 0 means greedy. top_k 0, top_p 1 and min_p 0 disable those filters (applied in HF order:
+    temperature, then top-k, then top-p, then min-p: tokens under min_p times the likeliest's probability)."""
 
     temperature: float = 0.0  # below MIN_TEMPERATURE: 0 (greedy)
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (_number(self.temperature) and math.isfinite(self.temperature)) or self.temperature < 0:
@@ -41,6 +42,8 @@ class SamplingParams:
             raise UserError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise UserError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not (_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +128,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = cum - sorted_x.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
         drop[..., 0] = False  # and always the top token (a top_p under fp32's least value drops none else)
         x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    if params.min_p > 0.0:  # p(x) < min_p * max p  <=>  logit(x) < max logit + log(min_p)
+        x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(params.min_p), float("-inf"))
     return x.softmax(-1)
 
 

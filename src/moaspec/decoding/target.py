@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from moaspec.decoding.context import Context
+from moaspec.decoding.logit_rules import LogitRules, RuleState
 from moaspec.decoding.prefix_cache import PrefixCache, common_prefix
 from moaspec.decoding.sampling import SamplingParams, TokenNoise
 from moaspec.decoding.tree import Tree
@@ -127,12 +128,13 @@ class TargetSide(Protocol):
     max_seq_len: int
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
-              resume: bool = False, logprobs: int | None = None) -> Step:
+              resume: bool = False, logprobs: int | None = None, rules: LogitRules | None = None) -> Step:
         """Prefill a prompt and give the first token; `max_new_tokens`: at most how many tokens follow (a
         server sizes the generation's memory by it); `resume`: the prompt is a generation's prompt and
         verified output, started again after the target went away (a server then takes it up to its
         whole context, not only its longest new prompt); `logprobs`: every step of this generation
-        reports its tokens' log-probabilities with that many alternatives (`Step.logprobs`)."""
+        reports its tokens' log-probabilities with that many alternatives (`Step.logprobs`); `rules`:
+        what verification does to the logits before it picks (bias, penalties, a grammar)."""
         ...
 
     def verify(self, tree: Tree) -> Step: ...
@@ -181,6 +183,7 @@ class LocalTarget:
         self.noise: TokenNoise | None = None  # seeded sampling's race
         self.costs = costs
         self.logprobs: int | None = None  # the generation's `start(logprobs=...)`
+        self.rules: RuleState | None = None  # the generation's `start(rules=...)`, following its tokens
 
     @property
     def length(self) -> int:
@@ -251,7 +254,7 @@ class LocalTarget:
         return got or own
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
-              resume: bool = False, logprobs: int | None = None) -> Step:
+              resume: bool = False, logprobs: int | None = None, rules: LogitRules | None = None) -> Step:
         t0 = time.perf_counter()
         self.logprobs = logprobs
         if not prompt:
@@ -260,6 +263,11 @@ class LocalTarget:
             raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens; this model's context holds {self.max_seq_len}"
             )
+        if rules is not None and rules.active:
+            rules.check_vocab(self.model.cfg.vocab_size)
+            self.rules = rules.follow(prompt)
+        else:
+            self.rules = None
         self.params = params
         self.noise = None if params.greedy else params.noise()
         self.generator = None if params.greedy or self.noise is not None else params.generator()
@@ -269,8 +277,11 @@ class LocalTarget:
         self.cache.ids = list(prompt)
         self.cache.exact = len(prompt) if self.row_invariant else len(prompt) // PREFILL_CHUNK * PREFILL_CHUNK
         # the first token is the bonus of verifying an empty draft after the prompt's last token
-        first = verify(Tree.chain(prompt[-1]), out.logits[-1:], params, self.generator, self.noise,
-                       len(prompt) - 1).bonus
+        root = Tree.chain(prompt[-1])
+        first = verify(root, out.logits[-1:], params, self.generator, self.noise, len(prompt) - 1,
+                       self.rules.walk(root) if self.rules is not None else None).bonus
+        if self.rules is not None:
+            self.rules.take(first)
         if self.candidates:
             step = self._step(Verdict([], [], first), top_candidates(prompt[-1:], out.logits[-1:], self.candidates),
                               t0, kept)
@@ -283,23 +294,41 @@ class LocalTarget:
     def verify(self, tree: Tree) -> Step:
         t0 = time.perf_counter()
         start = self.cache.length
-        single = len(tree) == 1
+        # drafts the grammar refuses are never accepted: the pass scores only the others
+        keep = self.rules.keep(tree) if self.rules is not None else None
+        scored, index = tree.restrict(keep) if keep is not None else (tree, None)
+        single = len(scored) == 1
         out = self._pass(Rows(
-            torch.tensor(tree.tokens), self.cache,
-            positions=None if single else tree.positions(start),
-            tree_mask=None if single else tree.mask(),
+            torch.tensor(scored.tokens), self.cache,
+            positions=None if single else scored.positions(start),
+            tree_mask=None if single else scored.mask(),
             hidden_layers=self.encoder.hidden_layers if self.encoder else (),
         ))
-        verdict = verify(tree, out.logits, self.params, self.generator, self.noise, start)
-        self.cache.commit(verdict.path)
+        rows = out.logits if index is None else _Rows(out.logits, index)
+        verdict = verify(tree, rows, self.params, self.generator, self.noise, start,
+                         self.rules.walk(tree) if self.rules is not None else None)
+        if self.rules is not None:
+            self.rules.take(verdict.bonus)
+        path = verdict.path if index is None else [index[i] for i in verdict.path]  # rows of the pass
+        self.cache.commit(path)
         if len(self.cache.ids) == start:  # the committed slots' ids, for a later start's prefix
-            self.cache.ids.extend(tree.tokens[i] for i in verdict.path)
+            self.cache.ids.extend(scored.tokens[i] for i in path)
             if self.row_invariant:
                 self.cache.exact = self.cache.length
         if self.candidates:
-            step = self._step(verdict, top_candidates(tree.tokens, out.logits, self.candidates), t0)
+            step = self._step(verdict, top_candidates(scored.tokens, out.logits, self.candidates), t0)
         else:
-            step = self._step(verdict, self._context(start, out, verdict.path), t0)
+            step = self._step(verdict, self._context(start, out, path), t0)
         if self.logprobs is not None:  # token k was scored by the row of the path node before it
-            step.logprobs = token_logprobs(out.logits[verdict.path], verdict.new_tokens, self.logprobs)
+            step.logprobs = token_logprobs(out.logits[path], verdict.new_tokens, self.logprobs)
         return step
+
+
+class _Rows:
+    """The logits of a pass over part of a tree, read by the whole tree's node indices."""
+
+    def __init__(self, logits: torch.Tensor, index: dict[int, int]):
+        self.logits, self.index = logits, index
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        return self.logits[self.index[node]]

@@ -358,6 +358,12 @@ class Tree:
     def positions(self, start: int) -> torch.Tensor:
         return start + torch.tensor(self.depths, dtype=torch.long)
 
+    def restrict(self, keep: list[int]) -> tuple[Tree, dict[int, int]]:
+        """The tree of the nodes `keep` (ascending, the root first, each node's parent kept too), for a pass that
+        scores only those; and each kept node's index in it."""
+        index = {node: i for i, node in enumerate(keep)}
+        return Tree([self.tokens[n] for n in keep], [-1, *(index[self.parents[n]] for n in keep[1:])]), index
+
     def path_to(self, node: int) -> list[int]:
         path = []
         while node >= 0:

@@ -20,6 +20,9 @@ the path, goes by recursive rejection sampling over its children, of one of two 
 If no child is accepted, the bonus is sampled from what is left of p. Each emitted token is then
 distributed exactly as the target's p, because the tree (and q) never depends on the target's
 random draws.
+
+With a `rule` (`decoding.logit_rules`: logit bias, penalties, a grammar), p is the target's distribution after
+the rule, read in the state of the node's own path; a child it gives no mass is never accepted.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moaspec.decoding.logit_rules import RowRule
 from moaspec.decoding.sampling import SamplingParams, TokenNoise, sample, target_probs
 from moaspec.decoding.tree import DraftDist, Tree
 
@@ -44,18 +48,20 @@ class Verdict:
 
 
 def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           noise: TokenNoise | None = None, position: int = 0) -> Verdict:
-    """logits: [len(tree), vocab], row i = the target's next-token logits after node i. With `noise` (a
-    seeded generation) the root is the token at sequence index `position`."""
+           noise: TokenNoise | None = None, position: int = 0, rule: RowRule | None = None) -> Verdict:
+    """logits: [len(tree), vocab], row i = the target's next-token logits after node i (rows of nodes that can
+    never be accepted may be missing: only the accepted path's are read, in order). With `noise` (a seeded
+    generation) the root is the token at sequence index `position`."""
     path = [0]
     node = 0
     while True:
+        row = logits[node] if rule is None else rule(node, logits[node])
         if params.greedy or noise is not None:
-            token = int(logits[node].argmax()) if params.greedy else \
-                noise.pick(target_probs(logits[node], params), position + tree.depths[node] + 1)
+            token = int(row.argmax()) if params.greedy else \
+                noise.pick(target_probs(row, params), position + tree.depths[node] + 1)
             nxt = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
         else:
-            p = target_probs(logits[node], params)
+            p = target_probs(row, params)
             q = tree.dists.get(node)
             nxt, p = _try_drafted(tree, node, p, generator) if q is None else _try_sampled(tree, node, p, q, generator)
             if nxt is None:

@@ -68,6 +68,10 @@ class Tokenizer:
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as its JSON (what a grammar engine builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 

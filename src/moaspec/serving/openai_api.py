@@ -54,6 +54,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moaspec.decoding.engine import GenerationConfig, Metrics
+from moaspec.decoding.grammar import Grammar, Vocabulary
+from moaspec.decoding.logit_rules import MAX_PENALTY, LogitRules
 from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
@@ -79,6 +81,9 @@ API_KEY_ENV = "MOASPEC_API_KEY"  # the API key when no --api-token-file is given
 EXTENSION = "moaspec"  # the field of each streamed chunk with what speculation did in its round
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 512
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_CHOICES = 256
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -189,17 +194,29 @@ class _Request(BaseModel):
     drafter: str | None = None
     weights: str | None = None
 
+    # sampling beyond OpenAI's, as vLLM and llama-server take them (top_k -1 or 0: off)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    # token id (as a string, OpenAI's JSON) -> a bias added to its logit
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    response_format: ResponseFormat | None = None
+    # other servers' grammar fields: llama-server's GBNF `grammar` and `json_schema`, vLLM's guided_*
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
+
     # field -> its values that mean "not used": any other value is a 400
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "logit_bias": (None, {}),
-        "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-        "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
-        "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
-        # other servers' sampling and grammar fields: refused, never silently ignored
-        "top_k": (None, 0, -1), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-        "grammar": (None, ""), "json_schema": (None, {}), "tool_choice": (None, "none"), "guided_json": (None,),
-        "guided_regex": (None,), "guided_choice": (None,),
+        "functions": (None, []), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
     }
+    GRAMMARS: ClassVar[tuple[str, ...]] = ("response_format", "grammar", "json_schema", "guided_json",
+                                           "guided_regex", "guided_choice", "guided_grammar")
 
     def check(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -213,6 +230,41 @@ class _Request(BaseModel):
             raise ApiError(400, f"at most {MAX_STOP} stop strings, got {len(stops)}.", param="stop")
         if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise ApiError(400, f"a stop string must have 1 to {MAX_STOP_CHARS} characters.", param="stop")
+        asked = [name for name in self.GRAMMARS if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(asked) > 1:
+            raise ApiError(400, f"one output format at a time: this request gives {' and '.join(asked)}.",
+                           param=asked[1], code="invalid_value")
+        for token in self.logit_bias or {}:
+            if not (token.isascii() and token.isdigit()):
+                raise ApiError(400, f"logit_bias keys are token ids, got {token!r}.", param="logit_bias",
+                               code="invalid_value")
+
+    def output_grammar(self, vocab: Vocabulary) -> Grammar | None:
+        """The grammar the answer must follow, from whichever field gave one (checked by `check`: at most one)."""
+        f = self.response_format
+        if f is not None and f.type == "json_object":
+            return Grammar.json_object(vocab)
+        if f is not None and f.type == "json_schema":
+            if f.json_schema is None:
+                raise ApiError(400, "response_format json_schema needs its json_schema.", param="response_format")
+            return Grammar.json_schema(vocab, f.json_schema.schema_ or {})
+        if self.json_schema is not None:
+            return Grammar.json_schema(vocab, self.json_schema)
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    raise ApiError(400, "guided_json is not JSON.", param="guided_json") from None
+            return Grammar.json_schema(vocab, schema)
+        if self.guided_regex is not None:
+            return Grammar.regex(vocab, self.guided_regex)
+        if self.guided_choice is not None:
+            return Grammar.choice(vocab, self.guided_choice)
+        text = self.grammar if self.grammar is not None else self.guided_grammar
+        return Grammar.gbnf(vocab, text) if text is not None else None
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -221,6 +273,20 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # always strict here: the grammar holds the answer to the schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(BaseModel):
@@ -263,6 +329,8 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
+JsonSchemaFormat.model_rebuild()
+ResponseFormat.model_rebuild()
 _Request.model_rebuild()
 ChatRequest.model_rebuild()
 CompletionRequest.model_rebuild()
@@ -446,7 +514,9 @@ class OpenAIServer:
         seed = None if req.seed is None else req.seed % 2**63
         try:
             sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                      top_p=1.0 if req.top_p is None else req.top_p, seed=seed)
+                                      top_p=1.0 if req.top_p is None else req.top_p, seed=seed,
+                                      top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0)
+            rules = self._rules(req)
         except UserError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
         if req.drafter is not None and req.drafter not in self.drafters:
@@ -459,8 +529,26 @@ class OpenAIServer:
         if logprobs is not None and self.dec.remote is not None:
             raise ApiError(400, "logprobs need the target's logits, which stay on its server.", param="logprobs",
                            code="unsupported_parameter")
-        return Job(ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops, logprobs=logprobs),
+        return Job(ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops, logprobs=logprobs,
+                                         rules=rules),
                    req.weights or self.weights, req.drafter, bool(req.stream))
+
+    def _rules(self, req: _Request) -> LogitRules | None:
+        """What the request does to the target's logits: its bias, penalties and output grammar."""
+        cfg = self.dec.target.cfg
+        grammar = req.output_grammar(Vocabulary.of(self.dec.tokenizer, cfg.vocab_size, cfg.eos_token_ids)) \
+            if any(getattr(req, name) is not None for name in req.GRAMMARS) else None
+        rules = LogitRules(logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
+                           presence_penalty=req.presence_penalty or 0.0,
+                           frequency_penalty=req.frequency_penalty or 0.0,
+                           repetition_penalty=req.repetition_penalty or 1.0, grammar=grammar)
+        if not rules.active:
+            return None
+        if self.dec.remote is not None:
+            raise ApiError(400, "logit_bias, penalties and output formats act on the target's logits, which stay on "
+                           "its server: ask its own API.", code="unsupported_parameter")
+        rules.check_vocab(cfg.vocab_size)
+        return rules
 
     def _check_text_length(self, req: _Request, param: str) -> None:
         """Refuse, before tokenising it, text that cannot fit: more characters than the longest token has,

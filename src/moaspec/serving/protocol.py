@@ -6,7 +6,7 @@ small and go in the header; tensors never do. Every message a client sends is ch
 it reaches the model, so a malformed one is an `ProtocolError` answered with an error frame.
 
 Client -> server:
-- {"type": "start", "prompt": [ids], "sampling": {temperature, top_p, top_k, seed},
+- {"type": "start", "prompt": [ids], "sampling": {temperature, top_p, top_k, seed, min_p},
    "encoder": null | {"kind": "moa", "id": "<hash of its weights>"}, "wire": "fp16" | "fp32" | "int8",
    "max_new_tokens": int (optional: sizes the session's memory; default the server's context),
    "resume": bool (optional: the prompt is a generation resumed after a cut, up to the whole context)}
@@ -141,18 +141,20 @@ def check_prompt(header: dict[str, Any], vocab: int, limits: Limits) -> list[int
 
 
 def sampling_to_wire(p: SamplingParams) -> dict[str, Any]:
-    return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed}
+    return {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "seed": p.seed,
+            **({"min_p": p.min_p} if p.min_p else {})}  # only when set: a server before min_p takes the rest
 
 
 def sampling_from_wire(raw: Any) -> SamplingParams:
-    if not isinstance(raw, dict) or set(raw) - {"temperature", "top_p", "top_k", "seed"}:
-        raise ProtocolError("'sampling' must be an object with temperature, top_p, top_k, seed")
-    t, p, k, seed = (raw.get("temperature", 0.0), raw.get("top_p", 1.0), raw.get("top_k", 0), raw.get("seed"))
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (t, p)) or type(k) is not int \
+    if not isinstance(raw, dict) or set(raw) - {"temperature", "top_p", "top_k", "seed", "min_p"}:
+        raise ProtocolError("'sampling' must be an object with temperature, top_p, top_k, seed, min_p")
+    t, p, k, seed, m = (raw.get("temperature", 0.0), raw.get("top_p", 1.0), raw.get("top_k", 0), raw.get("seed"),
+                        raw.get("min_p", 0.0))
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (t, p, m)) or type(k) is not int \
             or not (seed is None or type(seed) is int):
         raise ProtocolError("'sampling' holds values of the wrong type")
     try:
-        return SamplingParams(float(t), float(p), k, seed)
+        return SamplingParams(float(t), float(p), k, seed, float(m))
     except UserError as e:
         raise ProtocolError(str(e)) from None
 

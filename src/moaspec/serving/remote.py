@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.sync.client import ClientConnection, connect
 
 from moaspec.decoding.context import decode as decode_context
+from moaspec.decoding.logit_rules import LogitRules
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.target import Step, TargetUnavailable
 from moaspec.decoding.tree import Tree
@@ -308,10 +309,13 @@ class RemoteTarget:
         return Step(verdict, context, int(header["length"]), float(header["target_ms"]), int(header.get("cached", 0)))
 
     def start(self, prompt: list[int], params: SamplingParams, max_new_tokens: int | None = None,
-              resume: bool = False, logprobs: int | None = None) -> Step:
+              resume: bool = False, logprobs: int | None = None, rules: LogitRules | None = None) -> Step:
         if logprobs is not None:
             raise UserError("log-probabilities need the target's logits, which stay on the target server: "
                             "ask for them from a local target (or the server's own API)")
+        if rules is not None and rules.active:
+            raise UserError("logit bias, penalties and grammars act on the target's logits, which stay on the "
+                            "target server: use a local target (or the server's own API)")
         if not resume:  # a new generation may find the server in another weight mode than the last one did
             self.generating = False
         if not self.available():
