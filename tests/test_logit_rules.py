@@ -185,3 +185,17 @@ def test_drafts_the_grammar_refuses_get_no_row(smol_model, smol_tokenizer, vocab
     assert re.fullmatch("(ab|ac)*a?", text), text  # a prefix of the grammar's language
     assert target.length == len(prompt) + len(v.path)
     smol_model.reset()
+
+
+def test_the_end_of_sequence_is_allowed_once_the_grammar_accepts_and_then_only_it(smol_tokenizer, vocab):
+    m = Grammar.regex(vocab, "ab?").matcher()
+    a, b = (smol_tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "b"))
+    eos = vocab.eos_token_ids[0]
+    assert not m.allowed()[eos] and not m.tries(eos)
+    m.take(a)
+    assert m.allowed()[eos] and m.allowed()[b]
+    assert m.tries(eos) and m.allowed().sum() == len(set(vocab.eos_token_ids)) and not m.tries(b)
+    m.back()
+    assert m.tries(b) and m.tries(eos)  # "ab", then the end
+    m.back(2)
+    assert m.allowed()[b]

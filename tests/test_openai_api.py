@@ -246,10 +246,17 @@ def test_request_errors_are_openai_shaped_400s(served, client):
     _error(_post(served, "/chat/completions", {**base, "stop": ["ok", ""]}), 400, param="stop")
     _error(_post(served, "/chat/completions", {**base, "top_logprobs": 3}), 400, param="top_logprobs")
     _error(_post(served, "/chat/completions", {**base, "logprobs": True, "top_logprobs": 21}), 400)
-    _error(_post(served, "/chat/completions", {**base, "logit_bias": {"5": 1}}), 400, param="logit_bias")
-    for name, value in (("top_k", 40), ("min_p", 0.05), ("repetition_penalty", 1.1), ("tool_choice", "auto"),
-                        ("grammar", "root ::= \"a\""), ("json_schema", {"type": "object"})):
-        _error(_post(served, "/chat/completions", {**base, name: value}), 400, param=name)  # never ignored
+    for name, value in (("logit_bias", {"x5": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"99999999": 1}),
+                        ("min_p", 1.5), ("top_k", -2), ("repetition_penalty", 0), ("presence_penalty", 2.5),
+                        ("guided_choice", []), ("functions", [{"name": "f"}])):
+        _error(_post(served, "/chat/completions", {**base, name: value}), 400)
+    for name, value in (("grammar", "root ::= ("), ("json_schema", {"type": "objectx"}), ("guided_regex", "(a"),
+                        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "nope"}}}),
+                        ("response_format", {"type": "xml"}), ("guided_json", "{not json")):
+        _error(_post(served, "/chat/completions", {**base, name: value}), 400)
+    two = {**base, "response_format": {"type": "json_object"}, "guided_regex": "a+"}
+    _error(_post(served, "/chat/completions", two), 400, param="guided_regex")  # one output format at a time
     _error(_post(served, "/chat/completions", {"model": SMOL, "messages": []}), 400, param="messages")
     _error(_post(served, "/chat/completions", {"model": SMOL, "messages": [{"role": "wizard", "content": "hi"}]}),
            400)
@@ -494,3 +501,73 @@ def test_logprobs_from_the_verification_pass_match_plain_decoding(served, client
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == done.usage.completion_tokens
     assert "".join(lp.tokens) == done.choices[0].text and lp.text_offset[0] == 0
+
+
+# ------------------------------------------------------------------------------------ structured outputs
+def test_structured_outputs_parse_and_equal_plain_decoding_under_the_same_grammar(served, client, dec_none):
+    """`chat.completions.parse` with a pydantic model (strict json_schema), json_object, llama-server's `grammar`
+    (GBNF) and vLLM's guided_choice / guided_regex: each answer follows its format, and with the server's lookup
+    drafter it is token for token the plain decoder's under the same grammar."""
+    import re
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    from moaspec.decoding.grammar import Grammar, Vocabulary
+    from moaspec.decoding.logit_rules import LogitRules
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog", "fish"]
+        legs: int
+
+    ask = [{"role": "user", "content": "Name a pet and its number of legs, as JSON."}]
+    r = client.chat.completions.parse(model=SMOL, messages=ask, response_format=Pet, max_tokens=40, temperature=0)
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and r.choices[0].finish_reason == "stop"
+    cfg = dec_none.target.cfg
+    vocab = Vocabulary.of(dec_none.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    schema = {**Pet.model_json_schema(), "additionalProperties": False}
+    plain = dec_none.generate(ask, GenerationConfig(max_new_tokens=40, rules=LogitRules(
+        grammar=Grammar.json_schema(vocab, schema))))
+    assert r.choices[0].message.content == plain.text and r.usage.completion_tokens == len(plain.token_ids)
+
+    copy = [{"role": "user", "content": 'Repeat this JSON exactly: {"ok": true, "n": 3}'}]
+    obj = client.chat.completions.create(model=SMOL, messages=copy, max_tokens=64, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    for extra, pattern in (({"guided_choice": ["yes", "no"]}, "yes|no"), ({"guided_regex": "[0-9]{3}-[a-z]{2}"},
+                           "[0-9]{3}-[a-z]{2}"), ({"grammar": 'root ::= "x" [0-9] [0-9]?'}, "x[0-9][0-9]?")):
+        text = client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=12, temperature=0.7, seed=3,
+                                              extra_body=extra).choices[0].message.content
+        assert re.fullmatch(pattern, text), (extra, text)
+    # streamed: the same text in chunks
+    chunks = client.chat.completions.create(model=SMOL, messages=copy, max_tokens=64, temperature=0, stream=True,
+                                            response_format={"type": "json_object"})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == obj.choices[0].message.content
+
+
+def test_sampling_fields_are_honoured_and_lossless(served, client, dec_none):
+    """logit_bias, the penalties, top_k and min_p change the answer, and the lookup drafter's answer is the plain
+    decoder's under the same rules (greedy; seeded sampling with top_k 1 is greedy)."""
+    from moaspec.decoding.logit_rules import LogitRules
+    from moaspec.decoding.sampling import SamplingParams
+
+    base = dict(model=SMOL, messages=MESSAGES, max_tokens=N, temperature=0)
+    greedy = client.chat.completions.create(**base)
+    first = dec_none.generate(MESSAGES, GenerationConfig(max_new_tokens=1)).token_ids[0]
+    banned = client.chat.completions.create(**base, logit_bias={str(first): -100})
+    rules = LogitRules(logit_bias=((first, -100.0),))
+    plain = dec_none.generate(MESSAGES, GenerationConfig(max_new_tokens=N, rules=rules))
+    assert banned.choices[0].message.content == plain.text != greedy.choices[0].message.content
+    assert first not in plain.token_ids
+    penalised = client.chat.completions.create(**base, frequency_penalty=1.0, presence_penalty=0.5,
+                                               extra_body={"repetition_penalty": 1.3})
+    rules = LogitRules(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3)
+    plain = dec_none.generate(MESSAGES, GenerationConfig(max_new_tokens=N, rules=rules))
+    assert penalised.choices[0].message.content == plain.text != greedy.choices[0].message.content
+    top1 = client.chat.completions.create(**{**base, "temperature": 1.0}, seed=9, extra_body={"top_k": 1})
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+    cfg = GenerationConfig(max_new_tokens=N, sampling=SamplingParams(temperature=1.0, seed=9, min_p=0.2))
+    min_p = client.chat.completions.create(**{**base, "temperature": 1.0}, seed=9, extra_body={"min_p": 0.2})
+    assert min_p.choices[0].message.content == dec_none.generate(MESSAGES, cfg).text

@@ -102,7 +102,9 @@ class Grammar:
 
 
 class Matcher:
-    """One generation's place in a grammar: the tokens allowed next, taking a token, trying a draft's."""
+    """One generation's place in a grammar: the tokens allowed next, taking a token, trying a draft's. The end of
+    sequence is taken here, not by llguidance (whose trial consumption refuses it): allowed once the grammar
+    accepts, and after it only another end."""
 
     def __init__(self, grammar: Grammar):
         import llguidance
@@ -111,6 +113,8 @@ class Matcher:
         self._m = llguidance.LLMatcher(grammar.vocab.tokenizer, grammar.source, log_level=0)
         self._check()
         self._bits = torch.zeros((self.vocab.size + 31) // 32, dtype=torch.int32)
+        self._eos = frozenset(self.vocab.eos_token_ids)
+        self._ended = 0  # end-of-sequence tokens taken (or tried) after the grammar's text
 
     def _check(self) -> None:
         if self._m.is_error():
@@ -118,6 +122,10 @@ class Matcher:
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens that may come next (only the end of sequence once the grammar is complete)."""
+        if self._ended:
+            ok = torch.zeros(self.vocab.size, dtype=torch.bool)
+            ok[list(self._eos)] = True
+            return ok
         self._m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         self._check()
         bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")[:self.vocab.size]
@@ -125,18 +133,21 @@ class Matcher:
 
     def take(self, token: int) -> None:
         """Follow a token the masked distribution gave (so it is allowed)."""
-        if not self._m.consume_token(token):
+        if not self.tries(token):
             raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed: "
                                f"{self._m.get_error()}")
 
     def tries(self, token: int) -> bool:
         """Follow `token` if the grammar allows it here (undone with `back`); whether it did."""
+        if token in self._eos or self._ended:
+            if token in self._eos and (self._ended or self._m.is_accepting()):
+                self._ended += 1
+                return True
+            return False
         return self._m.try_consume_tokens([token]) == 1
 
     def back(self, n: int = 1) -> None:
-        self._m.rollback(n)
-
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and takes nothing more (only the end of sequence)."""
-        return self._m.is_stopped()
+        undo = min(n, self._ended)
+        self._ended -= undo
+        if n > undo:
+            self._m.rollback(n - undo)
