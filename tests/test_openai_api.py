@@ -571,3 +571,137 @@ def test_sampling_fields_are_honoured_and_lossless(served, client, dec_none):
     cfg = GenerationConfig(max_new_tokens=N, sampling=SamplingParams(temperature=1.0, seed=9, min_p=0.2))
     min_p = client.chat.completions.create(**{**base, "temperature": 1.0}, seed=9, extra_body={"min_p": 0.2})
     assert min_p.choices[0].message.content == dec_none.generate(MESSAGES, cfg).text
+
+
+# ------------------------------------------------------------------------------------ tools
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {
+        "type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_calls_round_trip_in_the_json_format_and_equal_a_drafterless_answer(served, client):
+    """SmolLM2's template has no tools: they go into a system message and the answer is held to the JSON call
+    format. A required call parses against the tool's parameters, a named choice calls that tool, the streamed
+    call deltas add up to the same call, the tool's result goes back and the next answer follows; and every
+    answer is the same with the server's lookup drafter as with none (the drafts never change a call)."""
+    base = dict(model=SMOL, messages=ASK_WEATHER, tools=[WEATHER, TIME], max_tokens=64, temperature=0)
+    r = client.chat.completions.create(**base, tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+    args = json.loads(call.function.arguments)
+    assert set(args) == ({"city", "unit"} if call.function.name == "get_weather" else {"zone"})
+    plain = client.chat.completions.create(**base, tool_choice="required", extra_body={"drafter": "none"})
+    assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+    named = client.chat.completions.create(**base, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           parallel_tool_calls=False)
+    calls = named.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"] and "zone" in json.loads(calls[0].function.arguments)
+
+    streamed: dict[int, dict] = {}
+    for ch in client.chat.completions.create(**base, tool_choice="required", stream=True):
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            got = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+            got["name"] += d.function.name or ""
+            got["arguments"] += d.function.arguments or ""
+        if ch.choices and ch.choices[0].finish_reason:
+            assert ch.choices[0].finish_reason == "tool_calls"
+    assert [(v["name"], v["arguments"]) for _, v in sorted(streamed.items())] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+    follow = [*ASK_WEATHER, choice.message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
+    again = client.chat.completions.create(**{**base, "messages": follow, "tools": [WEATHER]}, tool_choice="auto")
+    assert again.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    if again.choices[0].finish_reason == "stop":
+        assert isinstance(again.choices[0].message.content, str)
+    none = client.chat.completions.create(**base, tool_choice="none")
+    assert none.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == client.chat.completions.create(
+        model=SMOL, messages=ASK_WEATHER, max_tokens=64, temperature=0).choices[0].message.content
+
+
+def test_tool_requests_are_checked(served):
+    base = {"model": SMOL, "messages": ASK_WEATHER}
+    for extra in ({"tool_choice": "required"},  # no tools
+                  {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                  {"tools": [WEATHER, WEATHER]},
+                  {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+                  {"tools": [{"type": "retrieval"}]},
+                  {"tools": [WEATHER] * 65},
+                  {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                  {"messages": [{"role": "assistant"}]}):
+        _error(_post(served, "/chat/completions", {**base, **extra}), 400)
+
+
+def test_each_tool_syntax_parses_its_calls_and_holds_back_a_call_being_written():
+    from moaspec.serving.tool_calls import Hermes, JsonCalls, Llama3, tool_format
+
+    h = Hermes(("get_weather", "get_time"))
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    content, calls = h.parse(text)
+    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+    assert len({c.id for c in calls}) == 2
+    assert h.parse('{"name": "get_time", "arguments": {"zone": "UTC"}}')[1][0].name == "get_time"  # tags left out
+    assert h.parse('{"name": "rm_rf", "arguments": {}}') == ('{"name": "rm_rf", "arguments": {}}', [])  # not a tool
+    assert h.parse("<tool_call>\n{broken") == ("<tool_call>\n{broken", [])  # cut short: the text as it is
+    assert h.held("Sure <tool_c") == len("Sure ") and h.held("a < b") == len("a < b") and h.held("x<tool_call>") == 1
+    l3 = Llama3(("f",))
+    assert [(c.name, c.arguments) for c in l3.parse('<|python_tag|>{"name": "f", "parameters": {"a": 1}}')[1]] == \
+        [("f", '{"a": 1}')]
+    assert l3.parse("Hello there")[1] == [] and l3.held('{"na') == 0
+    j = JsonCalls(("f",))
+    assert j.parse('{"response": "hi"}') == ("hi", []) and j.parse('{"tool_calls": [{"name": "f", "arguments": '
+                                                                   '{}}]}')[1][0].name == "f"
+    assert isinstance(tool_format("{{ tools }} <tool_call>"), Hermes) and isinstance(tool_format(None), JsonCalls)
+    msgs = j.messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"}],
+        [{"type": "function", "function": {"name": "f"}}])
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]  # results merged: roles alternate
+    assert json.loads(msgs[2]["content"]) == {"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}
+
+
+@pytest.mark.slow
+def test_qwen_calls_tools_in_its_own_syntax_and_reads_their_results():
+    """Qwen2.5's template (hermes <tool_call> syntax) on the GGUF weights with the lookup drafter: auto, required
+    and named calls, streamed deltas, the result turn, each answer the same as with no drafter."""
+    from moaspec.pipeline import SpecDecoder
+
+    name = "qwen2.5-coder-0.5b"
+    app = create_app(SpecDecoder(name, drafter="lookup", weights="gguf", warmup=False), name,
+                     limits=ApiLimits(max_tokens=128))
+    run = Running(app, path="/v1")
+    try:
+        c = OpenAI(base_url=run.url, api_key="x", max_retries=0, timeout=120)
+        base = dict(model=name, messages=ASK_WEATHER, tools=[WEATHER, TIME], max_tokens=128, temperature=0,
+                    parallel_tool_calls=False)  # a 0.5B model, free to, calls again and again
+        for choice in ("auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+            r = c.chat.completions.create(**base, tool_choice=choice)
+            plain = c.chat.completions.create(**base, tool_choice=choice, extra_body={"drafter": "none"})
+            calls = r.choices[0].message.tool_calls
+            assert r.choices[0].finish_reason == "tool_calls" and calls, choice
+            assert [(x.function.name, x.function.arguments) for x in calls] == \
+                [(x.function.name, x.function.arguments) for x in plain.choices[0].message.tool_calls]
+            assert calls[0].function.name == ("get_time" if isinstance(choice, dict) else "get_weather")
+        call = c.chat.completions.create(**base, tool_choice="required").choices[0].message
+        follow = [*ASK_WEATHER, call.model_dump(exclude_none=True), {
+            "role": "tool", "tool_call_id": call.tool_calls[0].id, "content": '{"temperature": 18, "sky": "clear"}'}]
+        answer = c.chat.completions.create(**{**base, "messages": follow}, tool_choice="none")
+        assert answer.choices[0].finish_reason == "stop" and "18" in answer.choices[0].message.content
+        deltas = [d for ch in c.chat.completions.create(**base, tool_choice="required", stream=True)
+                  if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == \
+            [(x.function.name, x.function.arguments) for x in call.tool_calls]
+    finally:
+        run.stop()

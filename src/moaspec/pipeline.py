@@ -297,8 +297,10 @@ class SpecDecoder:
         return plausible_costs(costs, clamp=True)
 
     # ---------------------------------------------------------------- prompts
-    def encode(self, prompt: str | list[dict], chat: bool = True, system: str | None = None) -> list[int]:
-        """Token ids for a prompt: plain text, or chat messages rendered with the model's template."""
+    def encode(self, prompt: str | list[dict], chat: bool = True, system: str | None = None,
+               tools: list[dict] | None = None) -> list[int]:
+        """Token ids for a prompt: plain text, or chat messages rendered with the model's template (and `tools`,
+        OpenAI's function definitions, where the template lists them)."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise UserError("the prompt is empty")
@@ -311,10 +313,11 @@ class SpecDecoder:
         if not prompt:
             raise UserError("the conversation is empty")
         for msg in prompt:
-            if not isinstance(msg, dict) or "role" not in msg or not isinstance(msg.get("content"), str):
+            if not isinstance(msg, dict) or "role" not in msg or not (
+                    isinstance(msg.get("content"), str) or (msg.get("content") is None and msg.get("tool_calls"))):
                 raise UserError(f"malformed chat message {msg!r}: need {{'role': ..., 'content': str}}")
         with self.tokenizer_lock:
-            return chat_ids(self.tokenizer, prompt)
+            return chat_ids(self.tokenizer, prompt, tools=tools)
 
     # ---------------------------------------------------------------- generation
     def stream(self, prompt: str | list[dict] | list[int], cfg: GenerationConfig | None = None,

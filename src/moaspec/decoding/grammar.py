@@ -33,6 +33,12 @@ class Vocabulary:
         self.size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = llguidance.LLTokenizer(backend_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        # added tokens (a chat format's markers): a grammar names them by id, llguidance keeps them out of text
+        self._added = {t["content"]: t["id"] for t in json.loads(backend_json).get("added_tokens", [])}
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the added token spelled `text` (None if it is not one)."""
+        return self._added.get(text)
 
     @classmethod
     def of(cls, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Vocabulary:

@@ -567,10 +567,12 @@ def load_tokenizer(folder: str | os.PathLike[str]):
     return Tokenizer(folder)
 
 
-def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True, tools: list[dict] | None = None
+             ) -> list[int]:
     """Token ids of chat messages rendered with the tokenizer's template, ready for the answer (or, with
     `generation_prompt=False`, ending with the last message's turn). One rendering for decoding, the
     benchmark and the training data, so that a drafter trains on the prompts it will see. Some tokenizer
     versions return a mapping with input_ids, others the list."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                        **({"tools": tools} if tools else {}))
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -53,9 +53,21 @@ class Usage(BaseModel):
     speculative: Speculative | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -86,7 +98,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     unverified: bool | None = None
 
 
@@ -133,6 +145,8 @@ def dump(model: BaseModel) -> dict[str, Any]:
     body = model.model_dump(exclude_none=True)
     for choice in body.get("choices", []):
         choice.setdefault("logprobs", None)  # OpenAI writes it out, as null when not asked for
+        if "message" in choice:
+            choice["message"].setdefault("content", None)  # null beside tool calls
     return body
 
 

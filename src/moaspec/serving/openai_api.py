@@ -71,6 +71,7 @@ from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_ga
 from moaspec.serving.protocol import Busy
 from moaspec.serving.runner import in_worker, is_loopback, warn_exposure
 from moaspec.serving.runner import serve as run
+from moaspec.serving.tool_calls import MAX_TOOLS, ToolCall, ToolFormat, check_tools, tool_format
 
 if TYPE_CHECKING:
     from moaspec.pipeline import Delta, SpecDecoder
@@ -300,18 +301,71 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(max_length=64)
+    arguments: str  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str = Field("", max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only beside an assistant's tool_calls
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=128)  # a tool result's call
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @property
+    def text(self) -> str:
+        return (self.content if isinstance(self.content, str) else
+                "\n".join(p.text for p in self.content or ()))
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": None if self.content is None else self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # always strict when calls are required: the grammar holds them to it
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None  # each answer token's log-probability under the target
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # with that many likeliest alternatives
 
@@ -332,6 +386,8 @@ class CompletionRequest(_Request):
 JsonSchemaFormat.model_rebuild()
 ResponseFormat.model_rebuild()
 _Request.model_rebuild()
+for _model in (FunctionCall, MessageToolCall, Message, FunctionDef, ToolDef, ChosenFunction, NamedToolChoice):
+    _model.model_rebuild()
 ChatRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
@@ -346,6 +402,7 @@ class Job:
     weights: str
     drafter: str | None  # None: the server's
     pieces: bool  # streamed: each chunk cuts its text per token (`Delta.pieces`)
+    tools: ToolFormat | None = None  # the answer may call tools, in this syntax
 
 
 @dataclass
@@ -476,8 +533,9 @@ class OpenAIServer:
         worker thread, under the lock: the tokenizer is not shared across threads)."""
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
         self._check_text_length(req, param)
+        tools = None
         if isinstance(req, ChatRequest):
-            ids = self.dec.encode([m.as_dict() for m in req.messages])
+            ids, tools, tool_grammar = self._chat_prompt(req)
         else:
             prompt = req.prompt
             if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -516,7 +574,7 @@ class OpenAIServer:
             sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                       top_p=1.0 if req.top_p is None else req.top_p, seed=seed,
                                       top_k=max(0, req.top_k or 0), min_p=req.min_p or 0.0)
-            rules = self._rules(req)
+            rules = self._rules(req, tool_grammar if tools is not None else None)
         except UserError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
         if req.drafter is not None and req.drafter not in self.drafters:
@@ -531,13 +589,47 @@ class OpenAIServer:
                            code="unsupported_parameter")
         return Job(ids, GenerationConfig(max_new_tokens=n, sampling=sampling, stop=req.stops, logprobs=logprobs,
                                          rules=rules),
-                   req.weights or self.weights, req.drafter, bool(req.stream))
+                   req.weights or self.weights, req.drafter, bool(req.stream), tools)
 
-    def _rules(self, req: _Request) -> LogitRules | None:
-        """What the request does to the target's logits: its bias, penalties and output grammar."""
+    def _vocab(self) -> Vocabulary:
         cfg = self.dec.target.cfg
-        grammar = req.output_grammar(Vocabulary.of(self.dec.tokenizer, cfg.vocab_size, cfg.eos_token_ids)) \
+        return Vocabulary.of(self.dec.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+
+    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], ToolFormat | None, Grammar | None]:
+        """The conversation's token ids, rendered with its tools in the model's own tool syntax; that syntax when
+        the answer may call them, and the grammar that holds it to calls when they are required."""
+        messages = [m.as_dict() for m in req.messages]
+        for i, m in enumerate(messages):
+            if m["content"] is None and not m.get("tool_calls"):
+                raise ApiError(400, "a message without content must be an assistant's tool calls.",
+                               param=f"messages.{i}.content", code="invalid_value")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+        fmt = tool_format(self.dec.tokenizer.chat_template, tuple(t["function"]["name"] for t in tools))
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+        if choice is not None and choice != "none" and not tools:
+            raise ApiError(400, "tool_choice needs tools.", param="tool_choice", code="invalid_value")
+        calling = bool(tools) and choice != "none"
+        grammar = None
+        try:
+            if calling:
+                required, callable_ = check_tools(tools, choice)
+                grammar = fmt.grammar(self._vocab(), callable_, required, req.parallel_tool_calls is not False)
+            shown = tools if calling else None
+            ids = self.dec.encode(fmt.messages(messages, shown), tools=shown if fmt.native else None)
+        except UserError as e:
+            raise ApiError(400, str(e), param="tools", code="invalid_value") from None
+        return ids, fmt if calling else None, grammar
+
+    def _rules(self, req: _Request, tool_grammar: Grammar | None = None) -> LogitRules | None:
+        """What the request does to the target's logits: its bias, penalties and output grammar (one from its
+        format fields, or the one that holds it to tool calls)."""
+        cfg = self.dec.target.cfg
+        grammar = req.output_grammar(self._vocab()) \
             if any(getattr(req, name) is not None for name in req.GRAMMARS) else None
+        if grammar is not None and tool_grammar is not None:
+            raise ApiError(400, "an output format and tool calls at once: give one.", param="response_format",
+                           code="invalid_value")
+        grammar = grammar or tool_grammar
         rules = LogitRules(logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
                            presence_penalty=req.presence_penalty or 0.0,
                            frequency_penalty=req.frequency_penalty or 0.0,
@@ -560,7 +652,9 @@ class OpenAIServer:
             if len(req.messages) > bound:  # each message adds at least a token of its template's markers
                 raise ApiError(400, f"the conversation has {len(req.messages)} messages, more than the {bound} tokens "
                                "this server takes can hold.", param=param, code="context_length_exceeded")
-            chars = sum(len(m.as_dict()["content"]) for m in req.messages)
+            chars = sum(len(m.text) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                        for m in req.messages)
+            chars += sum(len(json.dumps(t.function.parameters or {})) for t in req.tools or ())
         else:
             prompt = req.prompt
             chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
@@ -727,8 +821,11 @@ class OpenAIServer:
         asked = job.cfg.logprobs is not None
         if chat:
             lp = S.ChoiceLogprobs(content=self._chat_logprobs(tokens, logprobs)) if asked else None
+            content, calls = job.tools.parse(text) if job.tools is not None else (text, [])
+            message = S.AssistantMessage(content=content, tool_calls=[S.ToolCall(
+                id=c.id, function=S.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls] or None)
             body: BaseModel = S.ChatCompletion(id=rid, created=created, model=self.model_name, usage=usage, choices=[
-                S.ChatChoice(message=S.AssistantMessage(content=text), logprobs=lp, finish_reason=finish,
+                S.ChatChoice(message=message, logprobs=lp, finish_reason="tool_calls" if calls else finish,
                              unverified=unverified)])
         else:
             lp = self._completion_logprobs(tokens, logprobs, 0) if asked else None
@@ -748,7 +845,8 @@ class OpenAIServer:
         offset = 0  # characters of the answer so far (the legacy logprobs' text_offset)
 
         def chunk(text: str | None, finish: str | None, role: bool = False, unverified: bool = False,
-                  ext: dict[str, Any] | None = None, d: Delta | None = None) -> str:
+                  ext: dict[str, Any] | None = None, d: Delta | None = None,
+                  call: tuple[int, ToolCall] | None = None) -> str:
             lp = None
             if d is not None and d.logprobs is not None:
                 lp = S.ChoiceLogprobs(content=self._chat_logprobs(d.tokens, d.logprobs)).model_dump() if chat \
@@ -757,6 +855,8 @@ class OpenAIServer:
                 delta: dict[str, Any] = {"role": "assistant"} if role else {}
                 if text is not None:
                     delta["content"] = text
+                if call is not None:
+                    delta["tool_calls"] = [{"index": call[0], **call[1].as_openai()}]
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
@@ -769,18 +869,33 @@ class OpenAIServer:
         if chat:
             yield chunk("", None, role=True)
         completion, metrics, finished, live = 0, None, False, None
+        # with tools: the answer so far and how much of it was sent as text (a call's text never is)
+        tools, answer, shown = job.tools, "", 0
         try:
             async with contextlib.aclosing(self._rounds(request, job)) as rounds:
                 async for d, live, m in rounds:
                     completion += len(d.tokens)
-                    if d.text or d.pending or d.retract or (d.tokens and d.logprobs is not None):
-                        ext = {"round": d.round, "pieces": [list(p) for p in d.pieces], **live}
+                    text, pieces = d.text, [list(p) for p in d.pieces]
+                    if tools is not None:
+                        answer += d.text
+                        upto = max(shown, tools.held(answer))
+                        text, shown, pieces = answer[shown:upto], upto, []
+                    if text or d.pending or d.retract or (d.tokens and d.logprobs is not None):
+                        ext = {"round": d.round, "pieces": pieces, **live}
                         if d.pending or d.retract:
                             ext.update(pending=d.pending, retract=d.retract)
-                        yield chunk(d.text, None, ext=ext, d=d)
-                        offset += len(d.text)
+                        yield chunk(text, None, ext=ext, d=d)
+                        offset += len(text)
                     if d.finish is not None:
-                        yield chunk(None, d.finish, unverified=bool(m and m.unverified_in_output),
+                        finish = d.finish
+                        if tools is not None:
+                            content, calls = tools.parse(answer)
+                            for i, call in enumerate(calls):
+                                yield chunk(None, None, call=(i, call))
+                            if not calls and (content or "")[shown:]:
+                                yield chunk(content[shown:], None)
+                            finish = "tool_calls" if calls else finish
+                        yield chunk(None, finish, unverified=bool(m and m.unverified_in_output),
                                     ext={"round": d.round, "pieces": [], **live})
                         metrics, finished = m, True
         except Exception as e:  # not CancelledError: a client that went away simply ends the stream
