@@ -705,3 +705,120 @@ def test_qwen_calls_tools_in_its_own_syntax_and_reads_their_results():
             [(x.function.name, x.function.arguments) for x in call.tool_calls]
     finally:
         run.stop()
+
+
+# ------------------------------------------------------------------------------------ Responses, tokenizer
+def test_responses_api_answers_as_chat_does_and_streams_typed_events(served, client):
+    """/v1/responses with the openai client: instructions + input give the chat answer (text and token counts);
+    the stream's events are numbered, its text deltas add up to the final text; a required function call comes
+    back as a function_call item, and its output item goes back in; text.format json_schema holds the answer."""
+    chat = client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=N, temperature=0)
+    r = client.responses.create(model=SMOL, instructions=MESSAGES[0]["content"], input=MESSAGES[1]["content"],
+                                max_output_tokens=N, temperature=0)
+    assert r.object == "response" and r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events = list(client.responses.create(model=SMOL, instructions=MESSAGES[0]["content"],
+                                          input=MESSAGES[1]["content"], max_output_tokens=N, temperature=0,
+                                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+
+    tool = {"type": "function", "name": "get_weather", "description": "The weather now in a city.",
+            "parameters": WEATHER["function"]["parameters"]}
+    called = client.responses.create(model=SMOL, input=ASK_WEATHER[0]["content"], tools=[tool],
+                                     tool_choice="required", max_output_tokens=64, temperature=0)
+    call = called.output[0]
+    assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+    items = [{"role": "user", "content": ASK_WEATHER[0]["content"]},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, clear"}]
+    after = client.responses.create(model=SMOL, input=items, tools=[tool], max_output_tokens=64, temperature=0)
+    assert after.status in ("completed", "incomplete") and after.output
+    streamed = list(client.responses.create(model=SMOL, input=ASK_WEATHER[0]["content"], tools=[tool],
+                                            tool_choice="required", max_output_tokens=64, temperature=0, stream=True))
+    done = [e.arguments for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert done == [call.arguments]
+    shaped = client.responses.create(model=SMOL, input='Repeat this JSON exactly: {"ok": true}', temperature=0,
+                                     max_output_tokens=64, text={"format": {
+                                         "type": "json_schema", "name": "ok", "strict": True, "schema": {
+                                             "type": "object", "properties": {"ok": {"type": "boolean"}},
+                                             "required": ["ok"], "additionalProperties": False}}})
+    assert json.loads(shaped.output_text) in ({"ok": True}, {"ok": False})
+    base = {"model": SMOL, "input": "hi"}
+    for extra in ({"previous_response_id": "resp_1"}, {"input": [{"type": "input_image", "image_url": "x"}]},
+                  {"tools": [{"type": "web_search"}]}, {"input": [{"role": "wizard", "content": "hi"}]},
+                  {"max_output_tokens": LIMITS.max_tokens + 1}, {"model": "gpt-4o"}):
+        assert _post(served, "/responses", {**base, **extra}).status_code in (400, 404)
+
+
+def test_tokenize_and_detokenize(served, dec_lookup):
+    root = served[1].url.removesuffix("/v1")
+    post = lambda path, body, **kw: _post(served, path, body, **kw).json()  # noqa: E731
+    served[1].url, url = root, served[1].url
+    try:
+        assert post("/tokenize", {"prompt": PROMPT})["tokens"] == dec_lookup.tokenizer.encode(PROMPT)
+        got = post("/tokenize", {"model": SMOL, "messages": MESSAGES})
+        assert got["tokens"] == dec_lookup.encode(MESSAGES) and got["count"] == len(got["tokens"])
+        pieces = post("/tokenize", {"content": "hello world", "with_pieces": True})["tokens"]
+        assert "".join(p["piece"] for p in pieces) == "hello world"
+        assert post("/detokenize", {"tokens": dec_lookup.tokenizer.encode(PROMPT)})["prompt"] == PROMPT
+        _error(_post(served, "/detokenize", {"tokens": [10**9]}), 400, param="tokens")
+        _error(_post(served, "/tokenize", {"prompt": "x", "messages": MESSAGES}), 400)
+        _error(_post(served, "/tokenize", {"prompt": "x" * (1 << 15)}), 400)  # beyond the prompt bound
+        _error(_post(served, "/tokenize", {"prompt": "x"}, key=None), 401)
+    finally:
+        served[1].url = url
+
+
+@pytest.mark.slow
+def test_an_agent_framework_runs_tools_through_the_responses_api():
+    """openai-agents (its Responses model, streamed and not) on Qwen2.5 GGUF with the lookup drafter: the agent
+    calls the Python tool through /v1/responses and answers from its result."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    from moaspec.pipeline import SpecDecoder
+
+    set_tracing_disabled(True)
+    name = "qwen2.5-coder-0.5b"
+    run = Running(create_app(SpecDecoder(name, drafter="lookup", weights="gguf", warmup=False), name,
+                             limits=ApiLimits(max_tokens=128)), path="/v1")
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather now in a city."""
+        calls.append(city)
+        return f"18 degrees and clear in {city}"
+
+    def agent() -> Agent:  # a client per event loop
+        return Agent(name="helper", instructions="Answer briefly. Use tools when useful.", tools=[get_weather],
+                     model=OpenAIResponsesModel(model=name, openai_client=AsyncOpenAI(base_url=run.url, api_key="x")),
+                     model_settings=ModelSettings(temperature=0, max_tokens=96))
+
+    async def streamed():
+        r = Runner.run_streamed(agent(), "What is the weather in Paris?", max_turns=4)
+        async for _ in r.stream_events():
+            pass
+        return r
+
+    try:
+        for run_one in (lambda: Runner.run_sync(agent(), "What is the weather in Paris?", max_turns=4),
+                        lambda: asyncio.run(streamed())):
+            result = run_one()
+            assert calls and calls[-1] == "Paris" and "18" in str(result.final_output)
+            calls.clear()
+    finally:
+        run.stop()
+
+
+def test_found_by_schemathesis_tool_calls_on_a_system_message_are_a_400_not_a_500(served):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for path in ("/chat/completions",):
+        _error(_post(served, path, {"model": SMOL, "messages": [{"role": "system", "content": None, "tool_calls": [
+            call]}, {"role": "user", "content": "hi"}]}), 400, param="messages.0.tool_calls")

@@ -158,13 +158,13 @@ def responses(ok: type[BaseModel] | None, stream: bool = False) -> dict[int | st
     """FastAPI's `responses=` for a route: its 200 body and every error it may answer."""
     out: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse, "description": why}
                                             for code, why in ERRORS.items()}
-    if ok is not None:
-        out[200] = {"model": ok, "description": "the answer"}
-        if stream:
-            event = {"type": "object", "required": ["data"], "properties": {"data": {
-                "type": "string", "description": "a chunk of the answer as JSON, and last `[DONE]`"}}}
-            out[200]["content"] = {"text/event-stream": {"schema": event}}
-            out[200]["description"] = "the answer; with stream: true, server-sent events of chunks"
+    out[200] = {"model": ok, "description": "the answer"} if ok is not None else \
+        {"description": "the answer", "content": {"application/json": {"schema": {"type": "object"}}}}
+    if stream:
+        event = {"type": "object", "required": ["data"], "properties": {"data": {
+            "type": "string", "description": "a chunk of the answer as JSON, and last `[DONE]`"}}}
+        out[200].setdefault("content", {})["text/event-stream"] = {"schema": event}
+        out[200]["description"] = "the answer; with stream: true, server-sent events of chunks"
     return out
 
 
@@ -185,10 +185,13 @@ def install_openapi(app: FastAPI, bodies: dict[str, type[BaseModel]], model_name
             schemas.update(schema.pop("$defs", {}))
             props = schema["properties"]
             props["model"] = {"type": "string", "enum": [model_name]}
-            for name in ("max_tokens", "max_completion_tokens"):
-                props[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_tokens}, {"type": "null"}]}
+            for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+                if name in props:
+                    props[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_tokens},
+                                             {"type": "null"}]}
             for name, values in (offers or {}).items():
-                props[name] = {"anyOf": [{"type": "string", "enum": values}, {"type": "null"}]}
+                if name in props:
+                    props[name] = {"anyOf": [{"type": "string", "enum": values}, {"type": "null"}]}
             schemas[model.__name__] = schema
             doc["paths"][path]["post"]["requestBody"] = {
                 "required": True, "content": {"application/json": {"schema": {

@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from urllib.parse import urlsplit
@@ -66,6 +66,7 @@ from moaspec.errors import ContextLengthError, UserError
 from moaspec.models.linear import QUANTISED
 from moaspec.models.runtime import PREFILL_CHUNK
 from moaspec.serving import api_schema as S
+from moaspec.serving import responses_api as R
 from moaspec.serving.admission import Admission
 from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
 from moaspec.serving.protocol import Busy
@@ -392,6 +393,22 @@ ChatRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
 
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    prompt: str | None = None  # vLLM's name
+    content: str | None = None  # llama-server's
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 16)
+
+
 # ------------------------------------------------------------------------------------ the app
 @dataclass(frozen=True)
 class Job:
@@ -403,6 +420,18 @@ class Job:
     drafter: str | None  # None: the server's
     pieces: bool  # streamed: each chunk cuts its text per token (`Delta.pieces`)
     tools: ToolFormat | None = None  # the answer may call tools, in this syntax
+
+
+@dataclass
+class Collected:
+    """A finished generation: its text, tokens, their log-probabilities, why it ended, its figures."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: str = "length"
+    metrics: Metrics | None = None
+    live: dict[str, Any] | None = None
 
 
 @dataclass
@@ -505,6 +534,22 @@ class OpenAIServer:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def _parse(self, request: Request, kind: type[_Request]) -> _Request:
+        body = await self._body(request)
+        try:
+            req = kind.model_validate_json(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        self._check_model(req.model)
+        req.check()
+        return req
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                           param="model", code="model_not_found")
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused past the size bound (before all of it is read)."""
         size = request.headers.get("content-length", "")
         limit = self.limits.max_body_bytes
         too_big = ApiError(413, f"the request body exceeds {limit} bytes.", code="request_too_large")
@@ -515,15 +560,7 @@ class OpenAIServer:
             body += part
             if len(body) > limit:
                 raise too_big
-        try:
-            req = kind.model_validate_json(bytes(body))
-        except ValidationError as e:
-            raise _validation_error(e) from None
-        if req.model != self.model_name:
-            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'.",
-                           param="model", code="model_not_found")
-        req.check()
-        return req
+        return bytes(body)
 
     def _context(self) -> int:
         return self.dec.engine.target.max_seq_len
@@ -600,6 +637,9 @@ class OpenAIServer:
         the answer may call them, and the grammar that holds it to calls when they are required."""
         messages = [m.as_dict() for m in req.messages]
         for i, m in enumerate(messages):
+            if m.get("tool_calls") and m["role"] != "assistant":
+                raise ApiError(400, "only an assistant's message calls tools.", param=f"messages.{i}.tool_calls",
+                               code="invalid_value")
             if m["content"] is None and not m.get("tool_calls"):
                 raise ApiError(400, "a message without content must be an assistant's tool calls.",
                                param=f"messages.{i}.content", code="invalid_value")
@@ -645,8 +685,6 @@ class OpenAIServer:
     def _check_text_length(self, req: _Request, param: str) -> None:
         """Refuse, before tokenising it, text that cannot fit: more characters than the longest token has,
         times the prompt bound (so a 4 MiB body costs no tokenizer time)."""
-        if self._longest_token is None:
-            self._longest_token = max(len(t) for t in self.dec.tokenizer.get_vocab())
         bound = min(self.limits.max_prompt_tokens, self._context() - 1)
         if isinstance(req, ChatRequest):
             if len(req.messages) > bound:  # each message adds at least a token of its template's markers
@@ -659,7 +697,7 @@ class OpenAIServer:
             prompt = req.prompt
             chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
         bound = min(self.limits.max_prompt_tokens, self._context() - 1)
-        if chars > bound * self._longest_token:
+        if chars > bound * self._longest():
             raise ApiError(400, f"the prompt has {chars} characters, more than {bound} tokens can hold; this server "
                            f"takes at most {bound} tokens.", param=param, code="context_length_exceeded")
 
@@ -799,25 +837,13 @@ class OpenAIServer:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(self._events(request, req, job, rid, created), media_type="text/event-stream",
                                      headers=headers)
-        parts: list[str] = []
-        completion, finish, metrics, live = 0, "length", None, None
-        tokens: list[int] = []
-        logprobs: list = []
         try:
-            async with contextlib.aclosing(self._rounds(request, job)) as rounds:
-                async for d, now, m in rounds:
-                    live = now
-                    parts.append(d.text)
-                    completion += len(d.tokens)
-                    tokens += d.tokens
-                    logprobs += d.logprobs or []
-                    finish, metrics = d.finish or finish, m or metrics
-        except Exception as e:
-            self.stats.errors += 1
-            return _generation_error(e).response()
-        text = "".join(parts)
-        unverified = True if metrics is not None and metrics.unverified_in_output else None
-        usage = self._usage(len(job.ids), completion, metrics, live)
+            done = await self._collect(request, job)
+        except ApiError as e:
+            return e.response()
+        text, tokens, logprobs, finish = done.text, done.tokens, done.logprobs, done.finish
+        unverified = True if done.metrics is not None and done.metrics.unverified_in_output else None
+        usage = self._usage(len(job.ids), len(tokens), done.metrics, done.live)
         asked = job.cfg.logprobs is not None
         if chat:
             lp = S.ChoiceLogprobs(content=self._chat_logprobs(tokens, logprobs)) if asked else None
@@ -832,6 +858,22 @@ class OpenAIServer:
             body = S.Completion(id=rid, created=created, model=self.model_name, usage=usage, choices=[
                 S.CompletionChoice(text=text, logprobs=lp, finish_reason=finish, unverified=unverified)])
         return JSONResponse(S.dump(body))
+
+    async def _collect(self, request: Request, job: Job) -> Collected:
+        """A whole generation (the answer when not streamed)."""
+        out = Collected()
+        try:
+            async with contextlib.aclosing(self._rounds(request, job)) as rounds:
+                async for d, now, m in rounds:
+                    out.live = now
+                    out.text += d.text
+                    out.tokens += d.tokens
+                    out.logprobs += d.logprobs or []
+                    out.finish, out.metrics = d.finish or out.finish, m or out.metrics
+        except Exception as e:
+            self.stats.errors += 1
+            raise _generation_error(e) from None
+        return out
 
     async def _events(self, request: Request, req: _Request, job: Job, rid: str, created: int) -> AsyncIterator[str]:
         """The answer as server-sent events, one chunk per verification round, each carrying moaspec's
@@ -907,6 +949,194 @@ class OpenAIServer:
                          "usage": self._usage(len(job.ids), completion, metrics, live).model_dump(exclude_none=True)})
         yield "data: [DONE]\n\n"
 
+    # ------------------------------------------------------------ the Responses API
+    async def _respond(self, request: Request):
+        """POST /v1/responses: the request runs as a chat request (`responses_api.chat_body`)."""
+        self.stats.requests += 1
+        try:
+            self._authorise(request)
+            body = await self._body(request)
+            try:
+                rreq = R.ResponsesRequest.model_validate_json(body)
+            except ValidationError as e:
+                raise _validation_error(e) from None
+            self._check_model(rreq.model)
+            for name, value in (rreq.model_extra or {}).items():
+                if name in rreq.UNSUPPORTED and value not in rreq.UNSUPPORTED[name]:
+                    why = " (this server stores no responses: send the conversation's items)" \
+                        if name in ("previous_response_id", "conversation") else ""
+                    raise ApiError(400, f"'{name}' is not supported by this server{why}.", param=name,
+                                   code="unsupported_parameter")
+            try:
+                req = ChatRequest.model_validate(R.chat_body(rreq))
+            except R.ItemError as e:
+                raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+            except ValidationError as e:
+                raise _validation_error(e) from None
+            req.check()
+            job = await self._prepared(req)
+        except ApiError as e:
+            self.stats.errors += 1
+            return e.response()
+        if self.admission.full():
+            self.stats.errors += 1
+            return _busy(self.admission.retry_after(), f"{self.admission.waiting} requests are waiting").response()
+        rid, created = R.new_id("resp"), time.time()
+        if rreq.stream:
+            return StreamingResponse(self._response_events(request, rreq, job, rid, created),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            done = await self._collect(request, job)
+        except ApiError as e:
+            return e.response()
+        content, calls = job.tools.parse(done.text) if job.tools is not None else (done.text, [])
+        output = ([R.message_item(content, R.new_id("msg"))] if content else []) + \
+            [R.call_item(c, R.new_id("fc")) for c in calls]
+        incomplete = "max_output_tokens" if done.finish == "length" else None
+        return JSONResponse(R.response_object(
+            rid, created, self.model_name, rreq, output, "incomplete" if incomplete else "completed",
+            self._response_usage(job, len(done.tokens), done.metrics), incomplete))
+
+    def _response_usage(self, job: Job, completion: int, m: Metrics | None) -> dict[str, Any]:
+        return R.usage_object(len(job.ids), completion, m.cached_tokens if m else 0)
+
+    async def _response_events(self, request: Request, rreq: R.ResponsesRequest, job: Job, rid: str,
+                               created: float) -> AsyncIterator[str]:
+        """The Responses stream: typed events (response.created, output items and their text deltas, function
+        calls, response.completed), each with its sequence number."""
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+
+        def response(status: str, output: list, usage=None, incomplete=None) -> dict[str, Any]:
+            return R.response_object(rid, created, self.model_name, rreq, output, status, usage, incomplete)
+
+        yield event("response.created", response=response("in_progress", []))
+        yield event("response.in_progress", response=response("in_progress", []))
+        tools, answer, shown, msg_id, output = job.tools, "", 0, R.new_id("msg"), []
+        opened = False
+
+        def open_message() -> list[str]:
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            return [event("response.output_item.added", output_index=0, item=R.message_item("", msg_id, "in_progress")
+                          | {"content": []}),
+                    event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part)]
+
+        completion, metrics, finish = 0, None, "length"
+        try:
+            async with contextlib.aclosing(self._rounds(request, job)) as rounds:
+                async for d, _, m in rounds:
+                    completion += len(d.tokens)
+                    answer += d.text
+                    upto = max(shown, tools.held(answer)) if tools is not None else len(answer)
+                    if upto > shown:
+                        if not opened:
+                            opened = True
+                            for e in open_message():
+                                yield e
+                        yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                                    delta=answer[shown:upto], logprobs=[])
+                        shown = upto
+                    if d.finish is not None:
+                        finish, metrics = d.finish, m
+        except Exception as e:
+            self.stats.errors += 1
+            err = _generation_error(e)
+            yield event("error", code=err.code, message=err.message, param=err.param)
+            yield event("response.failed", response=response("failed", output) | {"error": {
+                "code": err.code or "server_error", "message": err.message}})
+            return
+        content, calls = tools.parse(answer) if tools is not None else (answer, [])
+        if not calls and content and len(content) > shown and not opened:
+            opened = True
+            for e in open_message():
+                yield e
+        if opened:
+            text = content or answer[:shown]
+            if not calls and len(text) > shown:
+                yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                            delta=text[shown:], logprobs=[])
+            text = text if not calls else answer[:shown]
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text,
+                        logprobs=[])
+            yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
+            item = R.message_item(text, msg_id)
+            yield event("response.output_item.done", output_index=0, item=item)
+            output.append(item)
+        for call in calls:
+            index, item_id = len(output), R.new_id("fc")
+            yield event("response.output_item.added", output_index=index,
+                        item=R.call_item(call, item_id, "in_progress") | {"arguments": ""})
+            yield event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                        delta=call.arguments)
+            yield event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                        arguments=call.arguments)
+            item = R.call_item(call, item_id)
+            yield event("response.output_item.done", output_index=index, item=item)
+            output.append(item)
+        incomplete = "max_output_tokens" if finish == "length" else None
+        usage = self._response_usage(job, completion, metrics)
+        yield event("response.incomplete" if incomplete else "response.completed",
+                    response=response("incomplete" if incomplete else "completed", output, usage, incomplete))
+
+    # ------------------------------------------------------------ tokenizer
+    async def _tokenize(self, request: Request) -> JSONResponse:
+        """POST /tokenize (vLLM's and llama-server's): a prompt's or a conversation's token ids."""
+        self._authorise(request)
+        req = self._validated(TokenizeRequest, await self._body(request))
+        if req.model is not None:
+            self._check_model(req.model)
+        text = req.prompt if req.prompt is not None else req.content
+        if (text is None) == (req.messages is None):
+            raise ApiError(400, "give one of prompt (or content) and messages.", param="prompt")
+        bound = min(self.limits.max_prompt_tokens, self._context() - 1)
+        if text is not None and len(text) > bound * self._longest():
+            raise ApiError(400, f"the prompt is longer than {bound} tokens can hold.", param="prompt",
+                           code="context_length_exceeded")
+
+        def encode() -> list[int]:
+            if req.messages is not None:
+                return self._chat_prompt(ChatRequest(model=self.model_name, messages=req.messages))[0]
+            with self.dec.tokenizer_lock:
+                return self.dec.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+        try:
+            ids = await in_worker(encode, limiter=self.threads)
+        except UserError as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self._context()}
+        if req.with_pieces:
+            out["tokens"] = [{"id": i, "piece": self._piece(i)} for i in ids]
+        return JSONResponse(out)
+
+    async def _detokenize(self, request: Request) -> JSONResponse:
+        """POST /detokenize: the text of token ids (`prompt`, vLLM's name, and `content`, llama-server's)."""
+        self._authorise(request)
+        req = self._validated(DetokenizeRequest, await self._body(request))
+        if req.model is not None:
+            self._check_model(req.model)
+        vocab = self.dec.target.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise ApiError(400, f"token ids must be in 0..{vocab - 1}.", param="tokens", code="invalid_value")
+        text = self.dec.decode(req.tokens)
+        return JSONResponse({"prompt": text, "content": text})
+
+    def _validated(self, kind: type[BaseModel], body: bytes) -> Any:
+        try:
+            return kind.model_validate_json(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+
+    def _longest(self) -> int:
+        if self._longest_token is None:
+            self._longest_token = max(len(t) for t in self.dec.tokenizer.get_vocab())
+        return self._longest_token
+
     def _piece(self, token: int) -> str:
         return self.dec.decode([token])
 
@@ -947,7 +1177,9 @@ class OpenAIServer:
         app = FastAPI(title="moaspec OpenAI-compatible API", version=__version__, docs_url=None, redoc_url=None,
                       openapi_url=None if self.token is not None else "/openapi.json")
         app.state.api = self
-        S.install_openapi(app, {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest},
+        S.install_openapi(app, {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest,
+                                "/v1/responses": R.ResponsesRequest, "/tokenize": TokenizeRequest,
+                                "/detokenize": DetokenizeRequest},
                           self.model_name, self.limits.max_tokens,
                           {"drafter": self.drafters, "weights": self.weight_modes})
 
@@ -1022,6 +1254,21 @@ class OpenAIServer:
         async def completions(request: Request):
             """A completion of a raw prompt (text, or token ids)."""
             return await self._complete(request, CompletionRequest)
+
+        @app.post("/v1/responses", responses=S.responses(None, stream=True))
+        async def responses(request: Request):
+            """OpenAI's Responses API: input items, function tools, text formats; streamed as typed events."""
+            return await self._respond(request)
+
+        @app.post("/tokenize", responses=S.responses(None))
+        async def tokenize(request: Request) -> JSONResponse:
+            """Token ids of a prompt, or of chat messages rendered with the model's template."""
+            return await self._tokenize(request)
+
+        @app.post("/detokenize", responses=S.responses(None))
+        async def detokenize(request: Request) -> JSONResponse:
+            """The text of token ids."""
+            return await self._detokenize(request)
 
         return app
 
