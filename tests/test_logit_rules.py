@@ -199,3 +199,58 @@ def test_the_end_of_sequence_is_allowed_once_the_grammar_accepts_and_then_only_i
     assert m.tries(b) and m.tries(eos)  # "ab", then the end
     m.back(2)
     assert m.allowed()[b]
+
+
+# ------------------------------------------------------------------------------------ 100 schema x prompt pairs
+def _schemas() -> list[dict]:
+    """Ten schemas of the kinds clients send (enums, bounded strings and arrays, nesting, numbers, optional
+    fields, anyOf), each bounded so that an answer ends within the token budget."""
+    s = lambda n: {"type": "string", "maxLength": n}  # noqa: E731
+    obj = lambda props, req=None: {"type": "object", "properties": props,  # noqa: E731
+                                   "required": list(props) if req is None else req, "additionalProperties": False}
+    return [
+        obj({"answer": {"type": "string", "enum": ["yes", "no", "maybe"]}}),
+        obj({"name": s(24), "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
+        obj({"tags": {"type": "array", "items": s(12), "minItems": 1, "maxItems": 3}}),
+        obj({"city": s(20), "country": s(20), "population": {"type": "integer", "minimum": 0, "maximum": 10**10}}),
+        obj({"ok": {"type": "boolean"}, "score": {"type": "integer", "minimum": 0, "maximum": 10}}),
+        obj({"title": s(30), "author": obj({"first": s(12), "last": s(12)})}),
+        obj({"color": {"type": "string", "enum": ["red", "green", "blue"]}, "hex": {"type": "string",
+                                                                                 "pattern": "^#[0-9a-f]{6}$"}}),
+        obj({"items": {"type": "array", "items": obj({"n": {"type": "integer", "maximum": 999}, "w": s(8)}),
+                       "maxItems": 2}}),
+        obj({"kind": {"type": "string", "enum": ["cat", "dog"]}, "note": s(16)}, req=["kind"]),
+        {"anyOf": [obj({"error": s(20)}), obj({"value": {"type": "integer", "minimum": -999, "maximum": 999}})]},
+    ]
+
+
+PROMPTS = ["Describe a famous scientist.", "What is the capital of France?", "Summarise a book you like.",
+           "Give me a color.", "Is the sky blue?", "List some fruits.", "Tell me about a city.",
+           "Rate this answer from 0 to 10.", "Pick a pet.", "What is 2 + 2?"]
+
+
+@pytest.mark.slow  # 100 pairs, each with and without drafts: ~1 minute
+def test_100_schema_prompt_pairs_parse_and_are_the_same_tokens_with_drafts():
+    import jsonschema
+
+    from moaspec.pipeline import SpecDecoder
+
+    plain = SpecDecoder("qwen2.5-coder-0.5b", weights="gguf", warmup=False)
+    cfg0 = plain.target.cfg
+    vocab = Vocabulary.of(plain.tokenizer, cfg0.vocab_size, cfg0.eos_token_ids)
+    drafted = {d: plain.fork() for d in ("lookup", "suffix")}
+    for name, fork in drafted.items():
+        fork.set_drafter(name)
+    same = parsed = 0
+    for i, schema in enumerate(_schemas()):
+        grammar = Grammar.json_schema(vocab, schema)
+        for j, prompt in enumerate(PROMPTS):
+            ask = [{"role": "user", "content": f"{prompt} Answer in JSON."}]
+            cfg = GenerationConfig(max_new_tokens=96, rules=LogitRules(grammar=grammar))
+            want = plain.generate(ask, cfg)
+            got = drafted[("lookup", "suffix")[(i + j) % 2]].generate(ask, cfg)
+            same += got.token_ids == want.token_ids
+            assert want.finish_reason == "stop", (schema, prompt, want.text)
+            jsonschema.validate(json.loads(want.text), schema)
+            parsed += 1
+    assert same == parsed == 100
