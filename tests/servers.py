@@ -8,12 +8,16 @@ import time
 
 import uvicorn
 
+from moaspec.serving.runner import ConnectionLimits, guarded_http
+
 
 class Running:
     """`app` under uvicorn on 127.0.0.1:`port` (a free one), in its own thread and event loop; `url` is
-    `scheme`://127.0.0.1:port`path`."""
+    `scheme`://127.0.0.1:port`path`. Connections are guarded as `moaspec serve` guards them (`runner.guarded_http`)
+    unless `http` says otherwise."""
 
     def __init__(self, app, scheme: str = "http", path: str = "", **config):
+        config.setdefault("http", guarded_http(ConnectionLimits()))
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
     sv.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for, and "
                     "the default for one that gives none")
+    _add_connection_args(sv)
     _add_replica_args(sv)
     sv.set_defaults(func=cmd_serve)
 
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "sessions the last one served")
     st.add_argument("--idle-timeout", type=float, default=lim.idle_timeout_s, help="seconds before an idle "
                     "session is closed")
+    _add_connection_args(st)
     _add_replica_args(st)
     st.set_defaults(func=cmd_serve_target)
 
@@ -476,6 +478,24 @@ def _add_replica_args(p: argparse.ArgumentParser) -> None:
                    "default: start a local Ray for this command")
 
 
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    from moaspec.serving.runner import ConnectionLimits
+
+    c = ConnectionLimits()
+    p.add_argument("--header-timeout", type=float, default=c.header_timeout_s, metavar="S", help="a connection "
+                   "whose request headers are not all in by then is closed (slow clients hold no place)")
+    p.add_argument("--body-timeout", type=float, default=c.body_timeout_s, metavar="S", help="likewise for a "
+                   "request's body, from its headers")
+    p.add_argument("--max-client-connections", type=int, default=c.per_client, help="open HTTP connections from "
+                   "one address; beyond, 503")
+
+
+def _connection_limits(args: argparse.Namespace):
+    from moaspec.serving.runner import ConnectionLimits
+
+    return ConnectionLimits(args.header_timeout, args.body_timeout, args.max_client_connections)
+
+
 def _add_tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-certfile", metavar="PATH", help="serve over TLS (wss:// / https://) with this certificate "
                    "chain, so that bearer tokens never cross a network in clear")
@@ -577,7 +597,7 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
         "passes one session at a time (fp32 is not batch-invariant: use --weights fp16/int8/int4 to batch)"
     print(f"serving {args.model} ({server.model.weights}, {batched}) on {'wss' if tls else 'ws'}://{args.host}:"
           f"{args.port} with {len(server.encoders)} drafter encoder(s); Ctrl-C stops", file=sys.stderr)
-    serve(server, args.host, args.port, **tls)
+    serve(server, args.host, args.port, connections=_connection_limits(args), **tls)
     return 0
 
 
@@ -611,6 +631,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     tls = _tls(args)
     check_host(args.host, _api_key(args))
+    _connection_limits(args)
     if args.replicas:  # what can be checked here is, before any replica starts
         _tree_config(args)
         _check_models(args)
@@ -624,7 +645,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     base = f"{'https' if tls else 'http'}://{args.host}:{args.port}"
     print(f"serving {_label(args)} as an OpenAI API on {base}/v1 ({'key required' if key else 'open, loopback only'}; "
           f"{together}); the chat page: {base}/ ; Ctrl-C stops", file=sys.stderr)
-    serve(app, args.host, args.port, **tls)
+    serve(app, args.host, args.port, connections=_connection_limits(args), **tls)
     return 0
 
 

@@ -70,7 +70,7 @@ from moaspec.serving import responses_api as R
 from moaspec.serving.admission import Admission
 from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
 from moaspec.serving.protocol import Busy
-from moaspec.serving.runner import in_worker, is_loopback, warn_exposure
+from moaspec.serving.runner import ConnectionLimits, in_worker, is_loopback, warn_exposure
 from moaspec.serving.runner import serve as run
 from moaspec.serving.tool_calls import MAX_TOOLS, ToolCall, ToolFormat, check_tools, tool_format
 
@@ -83,6 +83,7 @@ API_KEY_ENV = "MOASPEC_API_KEY"  # the API key when no --api-token-file is given
 EXTENSION = "moaspec"  # the field of each streamed chunk with what speculation did in its round
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 512
+MAX_OTHER_CONNECTIONS = 256  # beyond the generations and their queue: streams ending, the page, /metrics; then 503
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_CHOICES = 256
 MAX_REPETITION_PENALTY = 10.0
@@ -1334,12 +1335,15 @@ def check_host(host: str, token: str | None) -> None:
                         "(--api-token-file, --token-file or $MOASPEC_TOKEN) or listen on 127.0.0.1")
 
 
-def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **tls: str) -> None:
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, connections: ConnectionLimits | None = None,
+          **tls: str) -> None:
     """Run the API until interrupted (the batched passes on this thread unless the scheduler has its own)."""
     check_host(host, app.state.api.token)
     warn_exposure(host, [app.state.api.token], bool(tls.get("ssl_certfile")))
+    lim = app.state.api.limits
     try:
-        run(app, app.state.api.scheduler, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+        run(app, app.state.api.scheduler, connections, host=host, port=port, log_level="warning",
+            timeout_graceful_shutdown=5, limit_concurrency=lim.parallel + lim.max_waiting + MAX_OTHER_CONNECTIONS,
             **tls)
     finally:
         app.state.api.close()

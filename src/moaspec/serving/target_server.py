@@ -57,7 +57,7 @@ from moaspec.serving.protocol import (
     tree_from_wire,
     unpack,
 )
-from moaspec.serving.runner import in_worker, warn_exposure
+from moaspec.serving.runner import ConnectionLimits, in_worker, warn_exposure
 from moaspec.serving.runner import serve as run
 
 log = logging.getLogger("moaspec.serve")
@@ -361,7 +361,7 @@ def busy_frame(message: str, retry_after: float, fatal: bool = False) -> bytes:
 
 
 def serve(server: TargetServer, host: str = "127.0.0.1", port: int = 8765, ssl_certfile: str | None = None,
-          ssl_keyfile: str | None = None) -> None:
+          ssl_keyfile: str | None = None, connections: ConnectionLimits | None = None) -> None:
     """Run the server until interrupted (uvicorn; messages bounded by `Limits.max_message_bytes`, connections
     by `max_connections`: past that uvicorn answers 503 before any handshake work); the batched passes run
     on this thread unless the scheduler has its own."""
@@ -371,6 +371,6 @@ def serve(server: TargetServer, host: str = "127.0.0.1", port: int = 8765, ssl_c
         run(server.app, server.scheduler, host=host, port=port, ws_max_size=server.limits.max_message_bytes,
             log_level="warning", ws_ping_interval=20.0, ws_ping_timeout=20.0,
             limit_concurrency=server.limits.max_connections + 16, timeout_keep_alive=5,
-            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
+            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, connections=connections)
     finally:
         server.close()
