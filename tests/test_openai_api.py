@@ -28,7 +28,7 @@ MESSAGES = [{"role": "system", "content": "You are concise."},
             {"role": "user", "content": "Name three primary colors and say why they are called primary."}]
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 N = 24
-LIMITS = ApiLimits(max_prompt_tokens=256, max_tokens=64, max_body_bytes=1 << 16)
+LIMITS = ApiLimits(max_prompt_tokens=256, max_tokens=64, max_body_bytes=1 << 16, weight_modes=("fp16",))
 
 
 @pytest.fixture(scope="module")
@@ -822,3 +822,35 @@ def test_found_by_schemathesis_tool_calls_on_a_system_message_are_a_400_not_a_50
     for path in ("/chat/completions",):
         _error(_post(served, path, {"model": SMOL, "messages": [{"role": "system", "content": None, "tool_calls": [
             call]}, {"role": "user", "content": "hi"}]}), 400, param="messages.0.tool_calls")
+
+
+def test_other_weight_modes_only_when_offered_and_only_if_memory_holds_them(dec_lookup, monkeypatch):
+    """Found in review: any client could make the server load a full copy of the target per weight mode, never
+    freed and not counted by admission. Now only the served mode unless the operator offers more, and a copy the
+    free memory cannot hold is a 503."""
+    from moaspec.serving import openai_api
+
+    api = create_app(dec_lookup, SMOL).state.api
+    assert api.weight_modes == ["fp32"]
+    run = Running(api.app, path="/v1")
+    try:
+        body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 2, "weights": "fp16"}
+        _error(httpx.post(run.url + "/chat/completions", json=body, timeout=30), 400, param="weights")
+    finally:
+        run.stop()
+        api.close()
+    api = create_app(dec_lookup, SMOL, limits=ApiLimits(weight_modes=("fp16", "int8"))).state.api
+    assert api.weight_modes[0] == "fp32" and "fp16" in api.weight_modes
+    monkeypatch.setattr(openai_api, "available_memory", lambda: 300 << 20)
+    run = Running(api.app, path="/v1")
+    try:
+        body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 2, "weights": "fp16"}
+        r = httpx.post(run.url + "/chat/completions", json=body, timeout=30)
+        err = _error(r, 503)
+        assert "not enough free memory" in err["message"] and r.headers["retry-after"]
+        assert "fp16" not in api.variants
+    finally:
+        run.stop()
+        api.close()
+    with pytest.raises(UserError, match="do not exist"):
+        ApiLimits(weight_modes=("fp8",))

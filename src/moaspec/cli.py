@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-prompt-tokens", type=int, default=8192, help="longest prompt a request may send")
     sv.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask for, and "
                     "the default for one that gives none")
+    sv.add_argument("--weight-modes", default="", metavar="MODES", help="weight modes a request may ask for "
+                    "(its 'weights' field) besides the served one, comma-separated (e.g. fp16,int8): each loads a "
+                    "full copy of the target on first use, kept, if the free memory holds it")
     _add_connection_args(sv)
     _add_replica_args(sv)
     sv.set_defaults(func=cmd_serve)
@@ -525,7 +528,8 @@ def _target_limits(args: argparse.Namespace) -> Limits:
 def _api_limits(args: argparse.Namespace) -> ApiLimits:
     return ApiLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, parallel=args.parallel,
                      max_waiting=args.max_waiting, kv_memory_mb=args.kv_memory_mb, gather_ms=args.gather_ms,
-                     cache_ram_mb=args.cache_ram)
+                     cache_ram_mb=args.cache_ram,
+                     weight_modes=tuple(m.strip() for m in args.weight_modes.split(",") if m.strip()))
 
 
 def _target_server(args: argparse.Namespace, scheduler_thread: bool):

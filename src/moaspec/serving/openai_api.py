@@ -63,7 +63,7 @@ from moaspec.decoding.target import MAX_TOP_LOGPROBS
 from moaspec.decoding.tree import MAX_TREE_TOKENS
 from moaspec.drafters import ready_drafters
 from moaspec.errors import ContextLengthError, UserError
-from moaspec.models.linear import QUANTISED
+from moaspec.models.linear import QUANTISED, WEIGHT_MODES
 from moaspec.models.runtime import PREFILL_CHUNK
 from moaspec.serving import api_schema as S
 from moaspec.serving import responses_api as R
@@ -103,6 +103,9 @@ class ApiLimits:
     cache_ram_mb: int = 1024  # finished generations' KV caches kept for prompts that start alike (0: none)
     max_batch_rows: int = 512  # rows of one batched pass
     gather_ms: float = 5.0  # how long a pass waits for the generations the last one served
+    # weight modes a request may ask for besides the served one (`weights`): each loads a full copy of the
+    # target the first time, kept for the server's life, so none unless the operator offers them
+    weight_modes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_tokens", "max_body_bytes", "parallel", "max_waiting", "kv_memory_mb",
@@ -118,6 +121,27 @@ class ApiLimits:
         if not (isinstance(self.gather_ms, (int, float)) and not isinstance(self.gather_ms, bool)
                 and self.gather_ms >= 0):
             raise UserError(f"gather_ms must be >= 0, got {self.gather_ms}")
+        bad = [m for m in self.weight_modes if m not in WEIGHT_MODES]
+        if bad:
+            raise UserError(f"weight modes {', '.join(bad)} do not exist; choose among {', '.join(WEIGHT_MODES)}")
+
+
+# bytes per weight of each mode, for the memory check before loading another copy (int4 and gguf: with scales)
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.07, "int4": 0.57, "int4-g64": 0.57, "int4-g128": 0.54,
+                    "gguf": 1.07}
+MEMORY_MARGIN = 1 << 30
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the machine can still give (MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -498,13 +522,14 @@ class OpenAIServer:
 
     def _offer(self) -> tuple[list[str], list[str]]:
         """The drafters and weight modes a request may ask for (`drafter`, `weights`): the drafters ready for
-        this target and the server's own; a remote target's mode only, else fp32, fp16 and, with the
-        compiled kernels, int8 and int4."""
+        this target and the server's own; the served weight mode and those the operator offers (a remote
+        target's mode only; int8/int4 only with the compiled kernels)."""
         own = self._own_drafter()
         drafters = ready_drafters(self.model_name)
-        modes = [] if self.dec.remote is not None else \
-            ["fp32", "fp16", *(QUANTISED[:2] if self.dec.target.kernels is not None else ())]
-        return drafters + [own] * (own not in drafters), modes + [self.weights] * (self.weights not in modes)
+        kernels = self.dec.remote is None and self.dec.target.kernels is not None
+        extra = [] if self.dec.remote is not None else \
+            [m for m in self.limits.weight_modes if m not in QUANTISED or kernels]
+        return drafters + [own] * (own not in drafters), [self.weights, *(m for m in extra if m != self.weights)]
 
     def close(self) -> None:
         for forks in self.idle.values():
@@ -733,6 +758,7 @@ class OpenAIServer:
         drafter."""
         with self._loading:
             if job.weights not in self.variants:
+                self._check_memory(job.weights)
                 log.info("loading %s in %s for a request", self.model_name, job.weights)
                 self.variants[job.weights] = self.dec.with_weights(job.weights)
                 self.idle[job.weights] = []
@@ -746,6 +772,17 @@ class OpenAIServer:
         if fork._drafter_args != args:
             fork.set_drafter(**args)
         return fork
+
+    def _check_memory(self, weights: str) -> None:
+        """Refuse to load another copy of the weights that the machine's free memory cannot hold (with the
+        generations' KV budget and a margin still free after it)."""
+        need = self.dec.target.num_parameters() * BYTES_PER_WEIGHT.get(weights, 4.0)
+        free = available_memory()
+        keep = self.admission.budget + MEMORY_MARGIN
+        if free is not None and need + keep > free:
+            raise Busy(f"not enough free memory to load the {weights} weights (~{need / 2**30:.1f} GiB, with "
+                       f"{keep / 2**30:.1f} GiB kept for generations; {free / 2**30:.1f} GiB free): ask for "
+                       f"{self.weights}", retry_after=60)
 
     def _live(self, fork: SpecDecoder, job: Job, d: Delta) -> dict[str, Any]:
         """What the chat page shows while an answer streams: the figures so far, the link to the target."""
