@@ -854,3 +854,34 @@ def test_other_weight_modes_only_when_offered_and_only_if_memory_holds_them(dec_
         api.close()
     with pytest.raises(UserError, match="do not exist"):
         ApiLimits(weight_modes=("fp8",))
+
+
+def test_a_client_gone_while_queued_gives_its_place_up(batched):
+    """Found in review: a request whose client left while it waited for a place kept that place in the queue
+    until its turn came."""
+    import socket
+
+    api, run = batched
+    admission = api.admission
+    held = admission.max_holders
+    admission.max_holders = 0  # nobody runs: every request waits
+    body = json.dumps({"model": SMOL, "messages": MESSAGES, "max_tokens": 4}).encode()
+    try:
+        s = socket.create_connection(("127.0.0.1", run.port), timeout=5)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" +
+                  body)
+        for _ in range(100):
+            if admission.waiting == 1:
+                break
+            time.sleep(0.05)
+        assert admission.waiting == 1
+        s.close()  # the client goes away while queued
+        for _ in range(60):
+            if admission.waiting == 0:
+                break
+            time.sleep(0.05)
+        assert admission.waiting == 0, "the queue kept the departed client's place"
+    finally:
+        admission.max_holders = held
+        admission._wake()

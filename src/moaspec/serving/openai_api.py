@@ -144,6 +144,13 @@ def available_memory() -> int | None:
     return None
 
 
+class ClientGone(Exception):
+    """The client went away while its request waited for a place."""
+
+
+QUEUE_CHECK_S = 0.5  # how often a queued request looks whether its client is still there
+
+
 # ------------------------------------------------------------------------------------ errors
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
@@ -807,9 +814,19 @@ class OpenAIServer:
                 return next(it, done)
 
         finished = False
+
+        async def gone(_position: int) -> None:  # a client that leaves the queue gives its place up at once
+            if stop.is_set() or await request.is_disconnected():
+                raise ClientGone
+
         try:
             need = self._reservation(len(job.ids), job.cfg.max_new_tokens)
-            granted = await self.admission.acquire(need)
+            granted = await self.admission.acquire(need, on_wait=gone, every_s=QUEUE_CHECK_S)
+        except ClientGone:
+            self.stats.cancelled += 1
+            log.info("client went away while queued")
+            queue.put_nowait(None)
+            return
         except Exception as e:
             queue.put_nowait(e)
             return
