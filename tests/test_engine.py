@@ -246,3 +246,36 @@ def test_stream_concatenates_to_generate(decoders, drafter):
     assert [p.round for p in parts] == list(range(len(parts)))
     if drafter != "none":
         assert any(o == drafter for p in parts for _, o in p.pieces)  # some drafts were accepted
+
+
+def test_a_target_that_keeps_failing_after_reconnecting_ends_the_generation(smol_model, dec_lookup):
+    """Found in review: re-verification after a reconnection had no bound, so a server that accepts sessions
+    but loses each one before it re-verifies kept a generation going round forever. Now after a few failures in a
+    row the generation ends with what the drafter wrote (marked unverified), or raises if it wrote nothing."""
+    from moaspec.decoding.engine import MAX_RESYNC_FAILURES, Engine
+    from moaspec.decoding.target import LocalTarget, TargetUnavailable
+
+    class Flaky(LocalTarget):
+        starts = 0
+
+        def verify(self, tree):
+            raise TargetUnavailable("the link dropped")
+
+        def start(self, prompt, params, max_new_tokens=None, resume=False, logprobs=None, rules=None):
+            if resume:
+                self.starts += 1
+                if self.starts > 50:
+                    raise RuntimeError("the engine never stops reconnecting")
+                raise TargetUnavailable("lost again")
+            return super().start(prompt, params, max_new_tokens, resume, logprobs, rules)
+
+    target = Flaky(smol_model)
+    engine = Engine(target, dec_lookup.drafter)
+    prompt = dec_lookup.encode("Count: one two three one two three one two three one two")
+    try:
+        chunks = list(engine.stream(prompt, GenerationConfig(max_new_tokens=24, reconnect_timeout_s=1.0)))
+        assert chunks[-1].finish_reason is not None and not chunks[-1].verified  # the drafter's text, marked
+    except TargetUnavailable:
+        pass  # the drafter wrote nothing alone: the failure is the caller's
+    assert target.starts == MAX_RESYNC_FAILURES
+    smol_model.reset()

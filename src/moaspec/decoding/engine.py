@@ -23,6 +23,7 @@ from moaspec.errors import ContextLengthError, UserError
 DRAFT_STREAM = 1  # SamplingParams.generator stream of the drafts' seeds
 RESYNC_POLICIES = ("correct", "keep")
 RESYNC_CHAIN = 16  # unverified tokens re-verified per target call after a reconnection
+MAX_RESYNC_FAILURES = 4  # reconnections in a row that fail again before re-verifying: then the generation ends
 
 
 @dataclass
@@ -248,6 +249,7 @@ class Engine:
         unverified: list[int] = []
         alone = self.drafter is not None
         ended = False
+        failed = 0  # re-verifications that lost the target again
         while True:
             self.target.reconnect_in_background()
             waited_from = None
@@ -282,6 +284,13 @@ class Engine:
                 return self._resync(prompt, out, unverified, cfg)
             except TargetUnavailable:
                 alone = False  # the drafter's state went with the failed session: wait for the next one
+                failed += 1
+                if failed >= MAX_RESYNC_FAILURES:  # a server that answers but never holds a session: give up
+                    if not unverified:
+                        raise
+                    m.total_s = time.perf_counter() - self._t0
+                    yield Chunk([], "stop" if ended else "length", verified=False)
+                    return None
 
     def _resync(self, prompt: list[int], out: list[int], unverified: list[int],
                 cfg: GenerationConfig) -> tuple[list[int], list[str], int, int]:
