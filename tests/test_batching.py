@@ -23,6 +23,7 @@ from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig
 from moaspec.drafters import build_drafter
 from moaspec.drafters.trained import encoder_id
+from moaspec.errors import UserError
 from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Rows, Transformer
 from moaspec.models.store import weights_fingerprint
@@ -431,3 +432,31 @@ def test_data_engine_stores_the_features_of_its_answers_from_the_same_passes(smo
     f = cache.get(1)
     assert cache.read_tokens == len(seqs[1]) - 2 and cache.computed_tokens == 0
     np.testing.assert_array_equal(f.hidden[L].numpy(), answers["q1"].features[1][L][:-2].astype(np.float32))
+
+
+def test_a_scheduler_whose_loop_dies_fails_its_requests_and_its_health_check(smol_folder):
+    """Found in review: a dead scheduler thread left a Ray replica's requests waiting forever and the replica
+    healthy. Now the waiting and later requests fail at once with the reason, and `check_health` (what a replica's
+    Ray health check calls) raises, so Ray Serve replaces it."""
+    from moaspec.serving.cluster import Replica
+
+    model = Transformer(smol_folder, weights="int8", max_seq_len=256)
+    sched = Scheduler(model, gather_ms=0)
+    sched.check_health()
+    cache = model.new_cache(64)
+    assert sched.run(Rows(torch.tensor([1, 2, 3]), cache), owner=1).logits.shape[0] == 3
+
+    def broken(batch):
+        raise MemoryError("pretend the pass ran out of memory in the loop")
+
+    sched._pass = broken
+    with pytest.raises(UserError, match="MemoryError"):
+        sched.run(Rows(torch.tensor([4]), cache), owner=1)
+    with pytest.raises(UserError, match="scheduler stopped"):
+        sched.run(Rows(torch.tensor([5]), cache), owner=1)  # at once, not after a pass that never comes
+    with pytest.raises(RuntimeError, match="MemoryError"):
+        sched.check_health()
+    replica = Replica()
+    replica._asgi_app = type("App", (), {"state": type("S", (), {"scheduler": sched})()})()
+    with pytest.raises(RuntimeError):
+        replica.check_health()

@@ -90,3 +90,34 @@ def test_soak_short(tmp_path):
     api, devices = report["phases"]
     assert api["requests"] > 4 and api["failures"] == 0 and api["p99_ms"] >= api["p50_ms"] > 0
     assert devices["generations"] >= 4 and devices["failures"] == 0
+
+
+@pytest.mark.slow  # the Ray of `--replicas`: its proxy, its GCS's token; one refused connection (~20 s)
+def test_the_ray_it_starts_needs_a_token_and_its_proxy_listens_on_loopback(replicas):
+    """Found in review: `--replicas` started a Ray whose control plane (job submission: any shell command) took
+    anyone on the network. Now that Ray runs with token authentication (a fresh token in the command's process
+    tree): a client without it cannot join; the proxy listens where --host says (loopback here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port = int(replicas.rsplit(":", 1)[1])
+    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    proxy = [line.split()[3] for line in listening if line.split()[3].endswith(f":{port}")]
+    assert proxy and all(a.startswith("127.0.0.1:") for a in proxy), proxy
+    gcs = [line for line in listening if "gcs_server" in line]
+    pid = int(gcs[0].split("pid=")[1].split(",")[0])
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert b"RAY_AUTH_MODE=token" in env and any(e.startswith(b"RAY_AUTH_TOKEN=") and len(e) > 30 for e in env)
+    address = "127.0.0.1:" + gcs[0].split()[3].rsplit(":", 1)[1]
+    outsider = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    token = next(e for e in env if e.startswith(b"RAY_AUTH_TOKEN=")).split(b"=", 1)[1].decode()
+
+    def join(extra: dict) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={address!r}, "
+                               "logging_level='error'); print('JOINED')"], env={**outsider, **extra},
+                              capture_output=True, text=True, timeout=120)
+
+    assert "JOINED" in join({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}).stdout  # the address is right
+    refused = join({})
+    assert refused.returncode != 0 and "JOINED" not in refused.stdout

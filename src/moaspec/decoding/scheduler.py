@@ -22,6 +22,7 @@ libgomp throttles its spin-waits once it manages more threads than there are cor
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -32,6 +33,8 @@ import torch
 
 from moaspec.errors import UserError
 from moaspec.models.runtime import ForwardOut, Rows, Transformer
+
+log = logging.getLogger("moaspec.scheduler")
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the histogram of rows per pass
 
@@ -79,6 +82,7 @@ class Scheduler:
         self._expected: set[int] = set()  # owners served by the last pass, not back yet
         self._cond = threading.Condition()
         self._closed = False
+        self.failure: BaseException | None = None  # what stopped the loop, if anything did
         self._thread: threading.Thread | None = None
         if own_thread:
             self._thread = threading.Thread(target=self.run_forever, name="moaspec-scheduler", daemon=True)
@@ -109,7 +113,7 @@ class Scheduler:
         item = _Item(rows, owner, model or self.model)
         with self._cond:
             if self._closed:
-                raise UserError("the scheduler is shut down")
+                raise self._stopped()
             item.queued_at_pass = self.stats.passes
             self._queue.append(item)
             self._expected.discard(id(owner))
@@ -128,9 +132,24 @@ class Scheduler:
             self._cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        for item in list(self._queue):
-            item.future.set_exception(UserError("the scheduler shut down"))
-        self._queue.clear()
+        with self._cond:
+            waiting, self._queue = list(self._queue), deque()
+        for item in waiting:
+            if not item.future.done():
+                item.future.set_exception(self._stopped())
+
+    def _stopped(self) -> UserError:
+        if self.failure is None:
+            return UserError("the scheduler is shut down")
+        return UserError(f"the scheduler stopped ({type(self.failure).__name__}: {self.failure})")
+
+    def check_health(self) -> None:
+        """Raise if the passes stopped (their thread died, or the loop failed): a replica's health check, so that
+        Ray Serve replaces a replica whose requests would otherwise wait forever."""
+        if self.failure is not None:
+            raise RuntimeError(f"the scheduler stopped: {type(self.failure).__name__}: {self.failure}")
+        if self._thread is not None and not self._thread.is_alive() and not self._closed:
+            raise RuntimeError("the scheduler's thread is gone")
 
     # ------------------------------------------------------------------ the loop
     def _gather(self, timeout_s: float | None = None) -> list[_Item] | None:
@@ -161,10 +180,18 @@ class Scheduler:
             return batch
 
     def run_forever(self) -> None:
-        """Run passes until `close` (on the scheduler's own thread, or the caller's)."""
+        """Run passes until `close` (on the scheduler's own thread, or the caller's). If the loop itself fails, every
+        waiting and later request fails at once with the reason, instead of waiting for passes that never come."""
         torch.set_num_threads(self.threads)
-        while self.step():
-            pass
+        try:
+            while self.step():
+                pass
+        except BaseException as e:
+            self.failure = self.failure or e
+            log.error("the scheduler stopped", exc_info=e)
+            self.close()
+            if threading.current_thread() is not self._thread:  # the server's main loop: it ends too
+                raise
 
     def step(self, timeout_s: float | None = None) -> bool:
         """Run one pass over what waits (waiting up to `timeout_s` for work: None, until some comes or the
@@ -174,6 +201,18 @@ class Scheduler:
             return False
         if not batch:
             return True
+        try:
+            self._pass(batch)
+        except BaseException as e:  # the loop itself failed: this pass's requests learn why
+            with self._cond:
+                self.failure, self._closed = e, True
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(self._stopped())
+            raise
+        return True
+
+    def _pass(self, batch: list[_Item]) -> None:
         t = time.perf_counter()
         model = batch[0].model
         try:
@@ -199,4 +238,3 @@ class Scheduler:
         s.sequences += len(batch)
         with self._cond:
             self._expected = {id(item.owner) for item in batch} - {id(i.owner) for i in self._queue}
-        return True

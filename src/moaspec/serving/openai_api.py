@@ -1232,6 +1232,7 @@ class OpenAIServer:
         app = FastAPI(title="moaspec OpenAI-compatible API", version=__version__, docs_url=None, redoc_url=None,
                       openapi_url=None if self.token is not None else "/openapi.json")
         app.state.api = self
+        app.state.scheduler = self.scheduler  # a replica's health check reads it
         S.install_openapi(app, {"/v1/chat/completions": ChatRequest, "/v1/completions": CompletionRequest,
                                 "/v1/responses": R.ResponsesRequest, "/tokenize": TokenizeRequest,
                                 "/detokenize": DetokenizeRequest},

@@ -233,6 +233,7 @@ class TargetServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="moaspec target server", docs_url=None, redoc_url=None, openapi_url=None)
+        app.state.scheduler = self.scheduler  # a replica's health check reads it
 
         @app.get("/health")
         async def health() -> dict[str, Any]:
