@@ -460,3 +460,45 @@ def test_a_scheduler_whose_loop_dies_fails_its_requests_and_its_health_check(smo
     replica._asgi_app = type("App", (), {"state": type("S", (), {"scheduler": sched})()})()
     with pytest.raises(RuntimeError):
         replica.check_health()
+
+
+def test_one_token_cannot_hold_the_whole_kv_budget(int8_model, smol_folder):
+    """Found in review: one bearer token's sessions could reserve the whole KV budget and keep every other client
+    waiting. With two tokens each may hold half (`token_kv_share`): past it a start is told to retry, while the
+    other token's start goes through; what a token gives back is its own again."""
+    fp = weights_fingerprint(smol_folder)
+    lim = Limits(max_prompt_tokens=256, max_seq_len=512, max_tree_tokens=32, kv_memory_mb=64)
+    server = TargetServer(int8_model, SMOL, fp, [TOKEN, "other-token"], {}, lim, pass_costs=COSTS)
+    per = int8_model.new_cache(1).bytes_for(3 + 8 + 32)
+    server.admission.budget = 4 * per  # two generations per token
+    run = Running(server.app, scheme="ws", ws_max_size=server.limits.max_message_bytes)
+
+    def session(token):
+        ws = connect(f"ws://127.0.0.1:{run.port}{ENDPOINT}", additional_headers={"Authorization": f"Bearer {token}"})
+        ws = ws.__enter__()
+        assert unpack(ws.recv(timeout=10))[0]["type"] == "ready"
+        return ws
+
+    start = pack({"type": "start", "prompt": [1, 2, 3], "max_new_tokens": 8})
+    try:
+        mine = [session(TOKEN) for _ in range(3)]
+        for ws in mine[:2]:
+            ws.send(start)
+            assert unpack(ws.recv(timeout=30))[0]["type"] == "step"
+        mine[2].send(start)
+        refused = unpack(mine[2].recv(timeout=30))[0]
+        assert refused.get("busy") and not refused["fatal"] and "share" in refused["message"]
+        theirs = session("other-token")
+        theirs.send(start)
+        assert unpack(theirs.recv(timeout=30))[0]["type"] == "step"  # the other client is not kept out
+        mine[0].send(pack({"type": "end"}))
+        _until(lambda: server.held_by_token[TOKEN] == per)
+        mine[2].send(start)
+        assert unpack(mine[2].recv(timeout=30))[0]["type"] == "step"
+        for ws in (*mine, theirs):
+            ws.close()
+        _until(lambda: server.admission.used == 0)
+        assert server.admission.used == 0 and not +server.held_by_token
+    finally:
+        run.stop()
+        server.close()

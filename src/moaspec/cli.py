@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "sessions the last one served")
     st.add_argument("--idle-timeout", type=float, default=lim.idle_timeout_s, help="seconds before an idle "
                     "session is closed")
+    st.add_argument("--token-kv-share", type=float, default=None, metavar="FRACTION", help="the part of "
+                    "--kv-memory-mb one token's generations may hold together (default: all with one token, half "
+                    "with more), so that one client cannot keep the others out")
     _add_connection_args(st)
     _add_replica_args(st)
     st.set_defaults(func=cmd_serve_target)
@@ -522,7 +525,7 @@ def _target_limits(args: argparse.Namespace) -> Limits:
                   max_tree_tokens=args.max_tree_tokens, max_sessions=args.max_sessions,
                   max_connections=args.max_connections, kv_memory_mb=args.kv_memory_mb, max_waiting=args.max_waiting,
                   max_batch_rows=args.max_batch_rows, gather_ms=args.gather_ms, idle_timeout_s=args.idle_timeout,
-                  cache_ram_mb=args.cache_ram)
+                  cache_ram_mb=args.cache_ram, token_kv_share=args.token_kv_share)
 
 
 def _api_limits(args: argparse.Namespace) -> ApiLimits:

@@ -97,6 +97,9 @@ class Limits:
     gather_ms: float = 5.0  # how long a pass waits for the sessions the last one served
     idle_timeout_s: float = 300.0  # a session without a start or verify for this long is closed
     max_message_bytes: int = 1 << 20
+    # the part of kv_memory_mb one bearer token's generations may hold together (None: all of it with one token,
+    # half with more), so that one client cannot keep the others out
+    token_kv_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_seq_len", "max_tree_tokens", "max_sessions", "max_connections",
@@ -116,6 +119,8 @@ class Limits:
             raise UserError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
         if not (_real(self.gather_ms) and self.gather_ms >= 0):
             raise UserError(f"gather_ms must be >= 0, got {self.gather_ms}")
+        if self.token_kv_share is not None and not (_real(self.token_kv_share) and 0 < self.token_kv_share <= 1):
+            raise UserError(f"token_kv_share must be in (0, 1], got {self.token_kv_share}")
 
 
 def _ints(value: Any, name: str, lo: int, hi: int, max_len: int) -> list[int]:

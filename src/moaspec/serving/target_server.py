@@ -100,8 +100,9 @@ def load_encoders(model: Transformer, name: str, fingerprint: str,
 class Session:
     """One client's generation state: its own KV cache over the shared weights, sized by its request."""
 
-    def __init__(self, server: TargetServer):
+    def __init__(self, server: TargetServer, token: str = ""):
         self.server = server
+        self.token = token  # whose share of the KV budget its generations draw on
         self.target: LocalTarget | None = None
         self.cache: KVCache | None = None
         self.reserved: tuple[int, float] | None = None  # (bytes, granted at) of the generation in progress
@@ -160,6 +161,7 @@ class Session:
             self.cache = None
         if self.reserved is not None:
             self.server.admission.release(*self.reserved)
+            self.server.held_by_token[self.token] -= self.reserved[0]
             self.reserved = None
 
     def reply(self, step: Step) -> bytes:
@@ -191,6 +193,7 @@ class TargetServer:
         self.scheduler = Scheduler(model, self.limits.max_batch_rows, self.limits.gather_ms,
                                    own_thread=scheduler_thread)
         self.admission = Admission(self.limits.kv_memory_mb << 20, self.limits.max_waiting)
+        self.held_by_token: Counter = Counter()  # KV bytes each token's generations reserved (or wait for)
         self.prefix = PrefixCache(self.limits.cache_ram_mb << 20) if self.limits.cache_ram_mb else None
         self.tokens = Rate()
         self.registry = registry(ServerCollector(self.scheduler, self.tokens, self._gauges))
@@ -268,7 +271,7 @@ class TargetServer:
             self.stats.sessions_opened += 1
             try:
                 await ws.accept()
-                await self._serve(ws)
+                await self._serve(ws, token)
             finally:
                 self.stats.by_token[token] -= 1
                 self.stats.sessions_open -= 1
@@ -279,6 +282,13 @@ class TargetServer:
         self.stats.bytes_out += len(frame)
         await ws.send_bytes(frame)
 
+    def token_share(self) -> int:
+        """KV bytes one token's generations may hold together."""
+        share = self.limits.token_kv_share
+        if share is None:
+            share = 1.0 if len(set(self.tokens_allowed)) == 1 else 0.5
+        return int(self.admission.budget * share)
+
     async def _start(self, ws: WebSocket, sess: Session, header: dict[str, Any]) -> Step:
         """A new generation: checked, admitted by memory (waiting, and saying so, while there is none)."""
         sess.end()
@@ -288,7 +298,20 @@ class TargetServer:
         async def queued(position: int) -> None:
             await self._send(ws, pack({"type": "queued", "position": position}))
 
-        granted = await self.admission.acquire(need, queued)
+        share = self.token_share()
+        held = self.held_by_token[sess.token] if share < self.admission.budget else 0  # one token: the queue's
+        if need > share:
+            raise ProtocolError(f"this generation needs {need / 2**20:.0f} MiB of KV cache; a token's share of the "
+                                f"server's is {share / 2**20:.0f} MiB: ask for fewer tokens")
+        if held + need > share:
+            raise Busy(f"this token's generations hold {held / 2**20:.0f} of its {share / 2**20:.0f} MiB share of "
+                       "the KV cache; retry when one ends", self.admission.retry_after())
+        self.held_by_token[sess.token] += need  # counted while it waits too: its queued starts share the share
+        try:
+            granted = await self.admission.acquire(need, queued)
+        except BaseException:
+            self.held_by_token[sess.token] -= need
+            raise
         sess.reserved = (need, granted)
         try:
             return await self._compute(sess.start, prompt, params, encoder, slots)
@@ -296,8 +319,8 @@ class TargetServer:
             sess.end()
             raise
 
-    async def _serve(self, ws: WebSocket) -> None:
-        sess = Session(self)
+    async def _serve(self, ws: WebSocket, token: str = "") -> None:
+        sess = Session(self, token)
         await self._send(ws, pack(self.ready()))
         idle_from = time.monotonic()  # pings do not count: an idle session ends whatever it pings
         try:
