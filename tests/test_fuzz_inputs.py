@@ -122,6 +122,46 @@ def test_prompts_of_any_text_or_bytes(dec_none):
     _record("prompts", seen[0])
 
 
+def test_grammars_of_any_text_or_schema(dec_none):
+    """Any JSON schema (nested objects of schema keywords and arbitrary values), regex, GBNF/Lark text or choice
+    list: a grammar whose matcher gives a mask with something allowed, or a UserError; never a crash or a hang
+    (llguidance's own limits bound a compile)."""
+    import time
+
+    from moaspec.decoding.grammar import Grammar, Vocabulary
+
+    cfg = dec_none.target.cfg
+    vocab = Vocabulary.of(dec_none.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    keyword = st.sampled_from(["type", "properties", "items", "required", "enum", "const", "anyOf", "allOf",
+                               "oneOf", "pattern", "minLength", "maxLength", "minimum", "maximum", "$ref", "format",
+                               "additionalProperties", "minItems", "maxItems", "not", "$defs", "x"])
+    kinds = st.sampled_from(["object", "array", "string", "integer", "number", "boolean", "null", "nope"])
+    schema = st.recursive(st.one_of(values, kinds),
+                          lambda inner: st.one_of(st.dictionaries(keyword, inner, max_size=4),
+                                                  st.lists(inner, max_size=3)), max_leaves=12)
+    seen, slowest = [0], [0.0]
+
+    @given(kind=st.sampled_from(["schema", "regex", "gbnf", "choice"]), schema=schema,
+           text=st.text(max_size=40), options=st.lists(st.text(max_size=8), max_size=4))
+    @FUZZ
+    def fuzz(kind, schema, text, options):
+        seen[0] += 1
+        t = time.perf_counter()
+
+        def build():
+            g = {"schema": lambda: Grammar.json_schema(vocab, schema if isinstance(schema, dict) else {"x": schema}),
+                 "regex": lambda: Grammar.regex(vocab, text), "gbnf": lambda: Grammar.gbnf(vocab, text),
+                 "choice": lambda: Grammar.choice(vocab, options)}[kind]()
+            assert g.matcher().allowed().any()
+
+        _works_or_says_why(build)
+        slowest[0] = max(slowest[0], time.perf_counter() - t)
+
+    fuzz()
+    assert slowest[0] < 10, f"a grammar took {slowest[0]:.1f} s"
+    _record("grammars", seen[0])
+
+
 # ------------------------------------------------------------------------------------------ folders
 def _mutations():
     """(file, how, where): how a folder's file is damaged."""

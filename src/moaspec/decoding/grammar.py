@@ -135,6 +135,8 @@ class Matcher:
         self._m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         self._check()
         bits = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")[:self.vocab.size]
+        if not bits.any():  # nothing can follow: the grammar cannot be satisfied from here
+            raise UserError("the grammar allows no token here: it cannot be satisfied")
         return torch.from_numpy(bits.astype(bool))
 
     def take(self, token: int) -> None:
