@@ -254,3 +254,15 @@ def test_100_schema_prompt_pairs_parse_and_are_the_same_tokens_with_drafts():
             jsonschema.validate(json.loads(want.text), schema)
             parsed += 1
     assert same == parsed == 100
+
+
+def test_tokens_the_grammar_forces_are_drafted_by_the_engine(dec_none, vocab):
+    """With no drafter, the tokens a grammar forces (a JSON key after its object's last field...) are drafted for
+    the target to verify: more than one token per target call, each such token marked 'grammar'."""
+    from moaspec.decoding.engine import GRAMMAR
+
+    cfg = GenerationConfig(max_new_tokens=60, rules=LogitRules(grammar=Grammar.json_schema(vocab, SCHEMA)))
+    chunks = list(dec_none.engine.stream(dec_none.encode(QUESTION), cfg))
+    origins = [o for c in chunks for o in c.origins]
+    assert GRAMMAR in origins and dec_none.engine.metrics.tau > 1.0
+    assert dec_none.engine.metrics.drafted_tokens >= origins.count(GRAMMAR)

@@ -125,6 +125,7 @@ class Chunk:
 
 
 TARGET = "target"
+GRAMMAR = "grammar"  # a token the output's grammar forced, drafted by the engine itself
 
 
 class Engine:
@@ -138,6 +139,7 @@ class Engine:
             raise ValueError("an adaptive tree needs its AdaptiveChain (verify costs of this machine), as wide "
                              "as the tree's levels")
         self.metrics = Metrics()
+        self._guide = None  # a generation's grammar matcher (`_stream`), for the tokens it forces
 
     def check(self, prompt: list[int], cfg: GenerationConfig) -> None:
         if not prompt:
@@ -175,6 +177,8 @@ class Engine:
             self.adapt.reset()
         drafts = cfg.sampling.generator(DRAFT_STREAM) if cfg.sampled_drafts and not cfg.sampling.greedy else None
         self._drafts, self._t0 = drafts, t0
+        # the grammar's own place, on the drafting side: the tokens it forces are drafted for the drafter
+        self._guide = cfg.rules.grammar.matcher() if cfg.rules is not None and cfg.rules.grammar is not None else None
         new = step.verdict.new_tokens
         origins = [TARGET] * len(new)
         lps = step.logprobs
@@ -196,6 +200,9 @@ class Engine:
             out += new
             yield Chunk(new, rollback=rollback, origins=origins, logprobs=lps)
             rollback = 0
+            if self._guide is not None:
+                for t in new:
+                    self._guide.take(t)
 
             t1 = time.perf_counter()
             tree = self._propose(root, cfg.max_new_tokens - m.new_tokens, length, self._draft_sampling(cfg, length))
@@ -217,7 +224,8 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.observe([root, *v.accepted], step.context)
             draft_s = t2 - t1 + time.perf_counter() - t3
-            if self.adapt is not None:
+            forced = tree.origins.get(1) == GRAMMAR
+            if self.adapt is not None and not forced:
                 self.adapt.update(max(tree.depths), len(v.accepted), draft_s, t3 - t2, step.target_ms / 1e3,
                                   rows=len(tree) - 1)
             m.draft_s += draft_s
@@ -225,8 +233,8 @@ class Engine:
             m.accept_lengths.append(len(v.accepted) + 1)
             m.drafted_tokens += len(tree) - 1
             new = v.new_tokens
-            origins = [tree.origins.get(i, self.drafter.name) for i in v.path[1:]] + [TARGET] \
-                if self.drafter is not None else [TARGET]
+            origins = [tree.origins.get(i, self.drafter.name if self.drafter is not None else TARGET)
+                       for i in v.path[1:]] + [TARGET]
             lps = step.logprobs
             root = v.bonus
 
@@ -326,6 +334,11 @@ class Engine:
         # A draft deeper than the tokens still wanted, or than the cache holds (`length` committed), is
         # wasted work.
         room = min(remaining - 1, self.target.max_seq_len - length - 1)
+        forced = self._guide.forced()[:max(room, 0)] if self._guide is not None else []
+        if forced:  # the grammar allows one continuation: it is the draft (the drafter's could only be pruned)
+            tree = Tree.chain(root, forced)
+            tree.origins.update({i: GRAMMAR for i in range(1, len(tree))})
+            return tree
         if self.drafter is None or room <= 0:
             return Tree.chain(root)
         cfg = self.tree

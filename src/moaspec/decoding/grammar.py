@@ -154,6 +154,11 @@ class Matcher:
             return False
         return self._m.try_consume_tokens([token]) == 1
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (where only one continuation is allowed, e.g. a JSON key after its
+        object's last field): a draft that verification accepts for certain, whatever the drafter."""
+        return [] if self._ended else list(self._m.compute_ff_tokens())
+
     def back(self, n: int = 1) -> None:
         undo = min(n, self._ended)
         self._ended -= undo
