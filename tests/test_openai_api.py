@@ -885,3 +885,13 @@ def test_a_client_gone_while_queued_gives_its_place_up(batched):
     finally:
         admission.max_holders = held
         admission._wake()
+
+
+def test_a_conversation_without_tools_is_rendered_as_it_is(served, dec_lookup):
+    """Found by the prefix-cache test: the JSON tool format rewrote every earlier assistant turn as
+    {"response": ...} even when no tool was in play, so multi-turn answers changed."""
+    conv = [*MESSAGES, {"role": "assistant", "content": "Red, green and blue."}, {"role": "user", "content": "Why?"}]
+    from moaspec.serving.openai_api import ChatRequest
+
+    ids = served[0]._chat_prompt(ChatRequest(model=SMOL, messages=conv))[0]
+    assert ids == dec_lookup.encode(conv)

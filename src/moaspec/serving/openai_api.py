@@ -688,7 +688,9 @@ class OpenAIServer:
                 required, callable_ = check_tools(tools, choice)
                 grammar = fmt.grammar(self._vocab(), callable_, required, req.parallel_tool_calls is not False)
             shown = tools if calling else None
-            ids = self.dec.encode(fmt.messages(messages, shown), tools=shown if fmt.native else None)
+            if calling or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+                messages = fmt.messages(messages, shown)
+            ids = self.dec.encode(messages, tools=shown if fmt.native else None)
         except UserError as e:
             raise ApiError(400, str(e), param="tools", code="invalid_value") from None
         return ids, fmt if calling else None, grammar

@@ -189,7 +189,7 @@ class JsonCalls(ToolFormat):
                     out[-1]["content"] += "\n" + result
                 else:
                     out.append({"role": "user", "content": result, "tool_results": True})
-            elif m["role"] == "assistant" and m.get("content") is not None:
+            elif m["role"] == "assistant" and m.get("content") is not None and tools:  # answers in the call format
                 out.append({"role": "assistant", "content": json.dumps({"response": m["content"]}, ensure_ascii=False)})
             else:
                 out.append(dict(m))
