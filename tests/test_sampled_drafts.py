@@ -126,7 +126,8 @@ def exact_law(model: Transformer, params: SamplingParams, n: int,
     return law
 
 
-@pytest.mark.parametrize("seeded", [True, False], ids=["seeded-race", "rejection"])
+@pytest.mark.parametrize("seeded", [pytest.param(True, marks=pytest.mark.slow), False],  # seeded: ~50 s, test-slow
+                         ids=["seeded-race", "rejection"])
 def test_sampled_drafts_exact_joint_law_through_engine(tiny, seeded, monkeypatch):
     """T = 1, top_k 5: the first three tokens of N generations against the exact law, seeded (the race,
     drafts drawn with the target's noise) or unseeded (recursive rejection sampling; torch.seed made
@@ -210,9 +211,11 @@ def test_sampled_drafts_law_smollm2_eagle():
 
 
 SEEDED_DRAFTERS = ["lookup", "suffix", "model", "moa", "eagle", "independent", "hybrid"]
+FAST_SEEDED = ("lookup", "suffix", "moa")  # the others (~15 s each) run in make test-slow
 
 
-@pytest.mark.parametrize("drafter", SEEDED_DRAFTERS)
+@pytest.mark.parametrize("drafter", [d if d in FAST_SEEDED else pytest.param(d, marks=pytest.mark.slow)
+                                     for d in SEEDED_DRAFTERS])
 def test_seeded_sampling_equals_plain_for_every_drafter(dec_none, drafter):
     """A seeded generation samples by the exponential race, so its tokens are plain seeded sampling's,
     whatever the drafter proposes and whether its drafts are sampled (with the target's noise) or its

@@ -338,6 +338,7 @@ def _serve_process(port: int, token_file) -> subprocess.Popen:
     raise AssertionError("serve-target did not come up in 120 s")
 
 
+@pytest.mark.slow  # a real serve-target killed and restarted (~27 s): make test-slow
 def test_server_killed_mid_generation_then_restarted(tmp_path, dec_none):
     """Real processes, through the shaping proxy (wifi): the server is killed (SIGKILL) mid-generation;
     the client goes on alone with MoA, marks those tokens unverified, reconnects when a new server

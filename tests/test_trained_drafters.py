@@ -44,6 +44,7 @@ def test_shipped_drafter_is_lossless_and_useful(trained, plain_greedy):
     assert sum(taus) / len(taus) > 1.2, (kind, taus)
 
 
+@pytest.mark.slow  # all prompts x two stop rules (~28 s): make test-slow
 def test_confidence_stop_is_lossless_and_drafts_less(plain_greedy):
     """TreeConfig.min_prob: MoA's chain stops where its own path probability falls below it, so fewer
     draft tokens reach verification, each likelier to be accepted, and the output is still plain greedy's."""

@@ -19,6 +19,7 @@ from moaspec.training.train import TrainConfig, Trainer, export, lr_at, run_conf
 DATA = Path(__file__).resolve().parent.parent / "data"
 
 
+@pytest.mark.slow  # an end-to-end scan of every prompt source: make test-slow
 def test_prompts_never_contain_eval_prompts():
     check = P.Contamination(P.eval_texts())
     built = P.build_prompts(300, seed=1, contamination=check)
@@ -66,6 +67,7 @@ def test_shards_round_trip_and_corrupt_shards_are_refused(tmp_path):
         list(D.read_shard(tmp_path / "gen-00001.npz"))
 
 
+@pytest.mark.slow  # a data job run, stopped and resumed (~35 s): make test-slow
 def test_data_builder_resumes_without_duplicates(tmp_path):
     """Text and generated answers (transformers, tiny answers), then a larger goal: the first shards
     stay as they were and nothing is written twice."""
@@ -124,6 +126,7 @@ def test_data_builder_stops_on_sigterm_after_the_round_written(tmp_path, monkeyp
     assert not second["stopped"] and second["tokens"] > first["tokens"] and len(ids) == len(set(ids)) > len(rows)
 
 
+@pytest.mark.slow  # a self-chat data job (~50 s): make test-slow
 def test_self_chat_writes_requests_and_follow_ups(tmp_path):
     """Self-chat: the target writes each request after an opening word, answers it, and for some
     conversations writes a follow-up that sees the first answer; prompts are chat-rendered up to the
@@ -343,6 +346,7 @@ def test_feature_cache_computes_once_and_matches_the_target(tmp_path):
     assert FeatureCache(target, "fp", seqs, (L - 2,), greedy=True, root=tmp_path).folder != cache.folder
 
 
+@pytest.mark.slow  # two training processes (~30 s): make test-slow
 def test_data_parallel_training_matches_one_process(tmp_path):
     """torchrun with two CPU processes (gloo), each taking half of every batch, ends with the same
     drafter as one process on the same data."""
@@ -494,6 +498,7 @@ def test_agreement_pools_tasks_by_rows():
                                       "agreed_by_depth": {1: 11, 2: 1}}}
 
 
+@pytest.mark.slow  # a learning curve run (~15 s): make test-slow
 def test_learning_curve_points_nest_are_saved_and_resume(tmp_path):
     """`training.curve`: one run validated at each budget; each point's drafters are saved as a folder
     that `export` takes and that equals a run stopped at the same step; a finished curve reruns to the
@@ -542,6 +547,7 @@ def test_learning_curve_points_nest_are_saved_and_resume(tmp_path):
     assert (tmp_path / "curve" / "curve.json").read_text() == before
 
 
+@pytest.mark.slow  # a data job then training (~25 s): make test-slow
 def test_features_stored_by_the_data_job_are_what_training_reads(tmp_path, monkeypatch):
     """`moaspec data --engine moaspec --features` then `moaspec train --target-weights fp16`: the
     training run reads the answers' features the data job stored (no second pass over them), computes
