@@ -206,11 +206,15 @@ def _generation_error(e: Exception) -> ApiError:
 
 
 # ------------------------------------------------------------------------------------ requests
-class _Request(BaseModel):
-    """Fields both endpoints take. Other fields are ignored, unless they ask for a feature this server
-    lacks (see UNSUPPORTED)."""
+class _Body(BaseModel):
+    """A part of a request body: unknown fields pass (OpenAI adds some), types are strict."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _Request(_Body):
+    """Fields both endpoints take. Other fields are ignored, unless they ask for a feature this server
+    lacks (see UNSUPPORTED)."""
 
     # optional fields take an explicit null as OpenAI does: the default
     model: str
@@ -317,38 +321,32 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # always strict here: the grammar holds the answer to the schema
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class FunctionCall(_Body):
     name: str = Field(max_length=64)
     arguments: str  # JSON text
 
 
-class MessageToolCall(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class MessageToolCall(_Body):
     id: str = Field("", max_length=128)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None only beside an assistant's tool_calls
     tool_calls: list[MessageToolCall] | None = Field(None, max_length=MAX_TOOLS)
@@ -369,27 +367,23 @@ class Message(BaseModel):
         return out
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class FunctionDef(_Body):
     name: str = Field(max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: bool | None = None  # always strict when calls are required: the grammar holds them to it
 
 
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class ToolDef(_Body):
     type: Literal["function"]
     function: FunctionDef
 
 
-class ChosenFunction(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class ChosenFunction(_Body):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class NamedToolChoice(_Body):
     type: Literal["function"]
     function: ChosenFunction
 
@@ -425,8 +419,7 @@ ChatRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None  # vLLM's name
     content: str | None = None  # llama-server's
@@ -435,8 +428,7 @@ class TokenizeRequest(BaseModel):
     with_pieces: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 16)
 
