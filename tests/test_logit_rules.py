@@ -117,7 +117,7 @@ def test_the_law_test_has_power_against_a_verifier_that_ignores_the_rule():
 
 def test_rules_are_checked():
     for kw in ({"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)}, {"presence_penalty": 2.5},
-               {"frequency_penalty": float("nan")}, {"repetition_penalty": 0.0}):
+               {"frequency_penalty": float("nan")}, {"repetition_penalty": 0.0}, {"repetition_penalty": 5e-324}):
         with pytest.raises(UserError):
             LogitRules(**kw)
     with pytest.raises(UserError, match="past this model's vocabulary"):

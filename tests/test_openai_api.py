@@ -248,6 +248,7 @@ def test_request_errors_are_openai_shaped_400s(served, client):
     _error(_post(served, "/chat/completions", {**base, "logprobs": True, "top_logprobs": 21}), 400)
     for name, value in (("logit_bias", {"x5": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"99999999": 1}),
                         ("min_p", 1.5), ("top_k", -2), ("repetition_penalty", 0), ("presence_penalty", 2.5),
+                        ("repetition_penalty", 5e-324),  # found by schemathesis: logits / 5e-324 overflowed, a 500
                         ("guided_choice", []), ("functions", [{"name": "f"}])):
         _error(_post(served, "/chat/completions", {**base, name: value}), 400)
     for name, value in (("grammar", "root ::= ("), ("json_schema", {"type": "objectx"}), ("guided_regex", "(a"),
@@ -895,3 +896,13 @@ def test_a_conversation_without_tools_is_rendered_as_it_is(served, dec_lookup):
 
     ids = served[0]._chat_prompt(ChatRequest(model=SMOL, messages=conv))[0]
     assert ids == dec_lookup.encode(conv)
+
+
+def test_found_by_schemathesis_a_grammar_the_engine_cannot_follow_is_a_400(served):
+    """A regex of two characters beyond U+FFFF: llguidance's mask allows a byte its matcher then refuses. The
+    answer is a 400 saying so, not a 500 (with drafts the refused token's node had been pruned: a KeyError)."""
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+            "guided_regex": json.loads('"\\ud885\\udce3\\uda52\\ude94"')}
+    for temperature in (0, 1):
+        err = _error(_post(served, "/chat/completions", {**body, "temperature": temperature}), 400)
+        assert "cannot follow its own grammar" in err["message"]

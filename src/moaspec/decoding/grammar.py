@@ -107,6 +107,15 @@ class Grammar:
         return Matcher(self)
 
 
+class GrammarMismatch(UserError):
+    """llguidance refused a token its own mask allowed (seen with characters outside the Basic Multilingual Plane
+    in a regex): the output cannot follow the grammar past this point."""
+
+    def __init__(self, token: int):
+        super().__init__(f"the grammar engine cannot follow its own grammar here (it allowed token {token}, then "
+                         "refused it); simplify the grammar (e.g. characters beyond U+FFFF in a pattern)")
+
+
 class Matcher:
     """One generation's place in a grammar: the tokens allowed next, taking a token, trying a draft's. The end of
     sequence is taken here, not by llguidance (whose trial consumption refuses it): allowed once the grammar
@@ -142,8 +151,7 @@ class Matcher:
     def take(self, token: int) -> None:
         """Follow a token the masked distribution gave (so it is allowed)."""
         if not self.tries(token):
-            raise RuntimeError(f"the grammar refused token {token}, which its own mask allowed: "
-                               f"{self._m.get_error()}")
+            raise GrammarMismatch(token)
 
     def tries(self, token: int) -> bool:
         """Follow `token` if the grammar allows it here (undone with `back`); whether it did."""

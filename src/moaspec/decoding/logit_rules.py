@@ -24,6 +24,8 @@ from moaspec.errors import UserError
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 MAX_PENALTY = 2.0  # presence / frequency penalties, OpenAI's range
+# the repetition penalty divides positive logits by it: below ~0.01 they overflow to inf (found by schemathesis)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 
 # a verification's view of one row: (tree node, its raw logits) -> the logits to pick from
 RowRule = Callable[[int, torch.Tensor], torch.Tensor]
@@ -54,8 +56,10 @@ class LogitRules:
             value = getattr(self, name)
             if not (_number(value) and abs(value) <= MAX_PENALTY):
                 raise UserError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
-        if not (_number(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise UserError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not (_number(self.repetition_penalty)
+                and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise UserError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                            f"got {self.repetition_penalty!r}")
 
     @property
     def active(self) -> bool:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from moaspec.decoding.context import Context
+from moaspec.decoding.grammar import GrammarMismatch
 from moaspec.decoding.logit_rules import LogitRules, RuleState
 from moaspec.decoding.prefix_cache import PrefixCache, common_prefix
 from moaspec.decoding.sampling import SamplingParams, TokenNoise
@@ -304,7 +305,7 @@ class LocalTarget:
             tree_mask=None if single else scored.mask(),
             hidden_layers=self.encoder.hidden_layers if self.encoder else (),
         ))
-        rows = out.logits if index is None else _Rows(out.logits, index)
+        rows = out.logits if index is None else _Rows(out.logits, index, tree.tokens)
         verdict = verify(tree, rows, self.params, self.generator, self.noise, start,
                          self.rules.walk(tree) if self.rules is not None else None)
         if self.rules is not None:
@@ -327,8 +328,10 @@ class LocalTarget:
 class _Rows:
     """The logits of a pass over part of a tree, read by the whole tree's node indices."""
 
-    def __init__(self, logits: torch.Tensor, index: dict[int, int]):
-        self.logits, self.index = logits, index
+    def __init__(self, logits: torch.Tensor, index: dict[int, int], tokens: list[int]):
+        self.logits, self.index, self.tokens = logits, index, tokens
 
     def __getitem__(self, node: int) -> torch.Tensor:
+        if node not in self.index:  # accepted although pruned: the grammar's mask allowed what it refuses
+            raise GrammarMismatch(self.tokens[node])
         return self.logits[self.index[node]]

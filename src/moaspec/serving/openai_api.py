@@ -55,7 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moaspec.decoding.engine import GenerationConfig, Metrics
 from moaspec.decoding.grammar import Grammar, Vocabulary
-from moaspec.decoding.logit_rules import MAX_PENALTY, LogitRules
+from moaspec.decoding.logit_rules import MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, LogitRules
 from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
@@ -86,7 +86,6 @@ MAX_STOP_CHARS = 512
 MAX_OTHER_CONNECTIONS = 256  # beyond the generations and their queue: streams ending, the page, /metrics; then 503
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_CHOICES = 256
-MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -235,7 +234,7 @@ class _Request(_Body):
     # sampling beyond OpenAI's, as vLLM and llama-server take them (top_k -1 or 0: off)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # token id (as a string, OpenAI's JSON) -> a bias added to its logit
