@@ -205,6 +205,16 @@ def _generation_error(e: Exception) -> ApiError:
 
 
 # ------------------------------------------------------------------------------------ requests
+def refuse_unsupported(extra: dict[str, Any] | None, table: dict[str, tuple], why: dict[str, str] | None = None
+                       ) -> None:
+    """A 400 naming the first field of `extra` that `table` ({field: values that mean "not used"}) lists with a
+    value that would ask for a feature this server lacks (`why`: more to say about a field)."""
+    for name, value in (extra or {}).items():
+        if name in table and value not in table[name]:
+            raise ApiError(400, f"'{name}' is not supported by this server{(why or {}).get(name, '')}.", param=name,
+                           code="unsupported_parameter")
+
+
 class _Body(BaseModel):
     """A part of a request body: unknown fields pass (OpenAI adds some), types are strict."""
 
@@ -256,10 +266,7 @@ class _Request(_Body):
                                            "guided_regex", "guided_choice", "guided_grammar")
 
     def check(self) -> None:
-        for name, value in (self.model_extra or {}).items():
-            if name in self.UNSUPPORTED and value not in self.UNSUPPORTED[name]:
-                raise ApiError(400, f"'{name}' is not supported by this server.", param=name,
-                               code="unsupported_parameter")
+        refuse_unsupported(self.model_extra, self.UNSUPPORTED)
         if self.n not in (None, 1):
             raise ApiError(400, f"only n=1 is supported, got n={self.n}.", param="n", code="unsupported_value")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -1009,12 +1016,9 @@ class OpenAIServer:
             except ValidationError as e:
                 raise _validation_error(e) from None
             self._check_model(rreq.model)
-            for name, value in (rreq.model_extra or {}).items():
-                if name in rreq.UNSUPPORTED and value not in rreq.UNSUPPORTED[name]:
-                    why = " (this server stores no responses: send the conversation's items)" \
-                        if name in ("previous_response_id", "conversation") else ""
-                    raise ApiError(400, f"'{name}' is not supported by this server{why}.", param=name,
-                                   code="unsupported_parameter")
+            stored = " (this server stores no responses: send the conversation's items)"
+            refuse_unsupported(rreq.model_extra, rreq.UNSUPPORTED,
+                               {"previous_response_id": stored, "conversation": stored})
             try:
                 req = ChatRequest.model_validate(R.chat_body(rreq))
             except R.ItemError as e:
