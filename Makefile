@@ -25,7 +25,7 @@ demo: setup
 	$(BIN)/moaspec generate --prompt "$(PROMPT)" --max-new-tokens 128
 
 test: setup browser
-	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff check src tests tools experiments
 	$(BIN)/pytest -q
 
 # Debian's Chromium for the chat page's browser test (tests/test_page.py), installed where this runs as root
@@ -56,7 +56,7 @@ law: setup
 	MOASPEC_LAW_SAMPLES=$(LAW_SAMPLES) $(BIN)/pytest -q -s tests/test_sampling.py -k lossless_synthetic
 
 lint: setup
-	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff check src tests tools experiments
 
 # The benchmark suite on Qwen2.5-Coder-0.5B (report in bench-out/report.md; a rerun resumes).
 bench-quick: setup

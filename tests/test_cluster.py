@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from moaspec.bench.soak import Server
+from experiments.soak import Server
 from moaspec.decoding.engine import GenerationConfig
 
 SMOL = "smollm2-135m"
@@ -77,9 +77,9 @@ def test_a_killed_replica_hands_its_devices_to_the_other(replicas):
 
 @pytest.mark.slow  # ~85 s
 def test_soak_short(tmp_path):
-    """The load test in short (`python -m moaspec.bench.soak` runs it for minutes): 4 API users and 4
+    """The load test in short (`python -m experiments.soak` runs it for minutes): 4 API users and 4
     devices against two replicas each, through a shaped link; every answer is its lone answer."""
-    from moaspec.bench import soak
+    from experiments import soak
 
     out = tmp_path / "soak.json"
     rc = soak.main(["--clients", "4", "--minutes", "0.15", "--prompts", "3", "--max-tokens", "12", "--replicas", "2",

@@ -231,10 +231,10 @@ def test_fp16_drafts_match_reference_math_on_shipped_checkpoint(smol_folder, smo
 
 
 def test_draftcost_bench_runs(tmp_path, capsys):
-    """`python -m moaspec.bench.draftcost` on a short context: every number is there and positive."""
+    """`python -m experiments.draftcost` on a short context: every number is there and positive."""
     import json
 
-    from moaspec.bench import draftcost
+    from experiments import draftcost
 
     out = tmp_path / "cost.json"
     draftcost.main(["--model", SMOL, "--weights", "fp16", "--drafters", "moa,eagle,independent", "--context", "40",

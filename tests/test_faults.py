@@ -1,4 +1,4 @@
-"""The fault matrix in short (`python -m moaspec.bench.faults` runs each fault many times at random
+"""The fault matrix in short (`python -m experiments.faults` runs each fault many times at random
 moments): one run of the faults the other tests do not inject, with real processes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moaspec.bench import faults
+from experiments import faults
 
 
 @pytest.mark.slow  # real processes killed and restarted: ~60 s

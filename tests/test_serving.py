@@ -24,6 +24,7 @@ from servers import Running
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from experiments.shaping import ShapingProxy
 from moaspec.decoding.context import decode, encode
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
@@ -37,7 +38,6 @@ from moaspec.models.store import weights_fingerprint
 from moaspec.pipeline import SpecDecoder
 from moaspec.serving.protocol import ENDPOINT, Busy, Limits, pack, unpack
 from moaspec.serving.remote import RemoteTarget, TargetUnavailable
-from moaspec.serving.shaping import ShapingProxy
 from moaspec.serving.target_server import TargetServer, load_encoders
 
 SMOL = "smollm2-135m"

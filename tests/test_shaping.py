@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import pytest
 
+from experiments.shaping import PROFILES, LinkProfile, ShapingProxy, Traffic, get_profile
 from moaspec.errors import UserError
-from moaspec.serving.shaping import PROFILES, LinkProfile, ShapingProxy, Traffic, get_profile
 
 pytestmark = pytest.mark.filterwarnings("error")  # an unclosed socket or transport fails its test
 

@@ -205,7 +205,7 @@ def test_training_lowers_validation_loss(tmp_path):
     fresh = moa.load(tmp_path / "ship" / "moa-n1", tr.target, cfg.model, tr.drafter.cfg.target_fingerprint)
     assert fresh.cfg.tli_layers == 1
 
-    # exported drafters are a run too: their config for bench.agreement, and the start of a fine-tune
+    # exported drafters are a run too: their config for experiments.agreement, and the start of a fine-tune
     saved = run_config(tmp_path / "ship")
     assert (saved["model"], saved["kind"], saved["tli_layers"]) == (cfg.model, "moa,eagle,independent", "0,1")
     tuned = Trainer(TrainConfig(**{**saved, "data": str(data), "out": str(tmp_path / "ft"), "max_len": 96,
@@ -426,7 +426,7 @@ def test_fine_tune_from_a_drafter_of_another_size(tmp_path):
 def test_fine_tune_adds_the_query_state(tmp_path):
     """`--query-state` from a paper MoA (`--init`): the same weights, the state projection at zero (so it
     starts as the paper's drafter: same validation loss), and that projection trains; an exported run
-    says so, for `bench.agreement` and further fine-tunes."""
+    says so, for `experiments.agreement` and further fine-tunes."""
     data = _slice(tmp_path, 8, 2)
     cfg = dict(kind="moa", data=str(data), batch_size=1, max_len=64, vocab_ids=1024, warmup=1, val_every=1000,
                save_every=1000, val_sequences=2, seed=0)
@@ -447,10 +447,10 @@ def test_fine_tune_adds_the_query_state(tmp_path):
 
 
 def test_agreement_on_bench_answers(tmp_path):
-    """`bench.agreement`: a training run's drafters scored teacher-forced on a benchmark run's plain
+    """`experiments.agreement`: a training run's drafters scored teacher-forced on a benchmark run's plain
     answers (every turn, rebuilt with the benchmark's own chat prompts), beside the benchmark's
     accepted-per-drafted rate of the same method; a folder that is not a benchmark run is refused."""
-    from moaspec.bench.agreement import agreement, bench_examples, table
+    from experiments.agreement import agreement, bench_examples, table
     from moaspec.bench.answers import answer_path, read_answers
     from moaspec.bench.suite import BenchConfig, run
 
@@ -490,7 +490,7 @@ def test_agreement_on_bench_answers(tmp_path):
 
 def test_agreement_pools_tasks_by_rows():
     """Per-task agreements pool weighted by their rows at each depth, not averaged per task."""
-    from moaspec.bench.agreement import pooled
+    from experiments.agreement import pooled
 
     a = {"moa": {"top1_by_depth": {1: 0.5, 2: 0.25}, "rows_by_depth": {1: 10, 2: 4}, "agreed_by_depth": {1: 5, 2: 1}}}
     b = {"moa": {"top1_by_depth": {1: 0.2}, "rows_by_depth": {1: 30}, "agreed_by_depth": {1: 6}}}

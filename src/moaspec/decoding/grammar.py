@@ -2,7 +2,7 @@
 
 llguidance (the engine llama.cpp and vLLM offer) compiles a grammar for one vocabulary in about a millisecond
 and gives the set of tokens allowed next in microseconds, with no dependencies, so a schema can come with every
-request (xgrammar and outlines-core measured beside it: docs/serving.md, tools/grammar_engines.py). A `Grammar`
+request (xgrammar and outlines-core measured beside it: docs/serving.md, experiments/grammar_engines.py). A `Grammar`
 is immutable and shared; each generation follows it with a `Matcher` of its own, which speculation walks down a
 draft tree and back (`decoding.logit_rules`).
 """

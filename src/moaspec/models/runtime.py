@@ -615,7 +615,7 @@ class Transformer:
     def few_row_kernels(self, layers: bool | None = None, attention: bool = True) -> None:
         """Choose the kernels of passes of 1-8 rows (where the compiled ones built): fp16 layers through
         the few-row kernel (True), fbgemm (False) or whichever this machine measured faster for this
-        model (None: `few_row_choice`); the row-invariant attention (True) or SDPA. `bench.passes`
+        model (None: `few_row_choice`); the row-invariant attention (True) or SDPA. `experiments.passes`
         compares them."""
         self.row_invariant = attention and self.kernels is not None and self.cfg.head_dim % 8 == 0 \
             and self.cfg.head_dim <= 256

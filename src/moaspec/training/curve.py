@@ -8,7 +8,7 @@ branch (warmup-stable-decay) also trains `--decay` x the point's steps more over
 again, the learning rate falling linearly to lr/20, and is validated too: what a run of that budget
 would ship (a constant rate leaves 1.5-2 points of agreement on the table); the main run goes on from
 before the branch. Writes curve.json, curve.png, points/<budget>/ and points/<budget>-annealed/ (the
-drafters, folders that `moaspec export`, `moaspec bench --checkpoints` and `bench.agreement` take) into
+drafters, folders that `moaspec export`, `moaspec bench --checkpoints` and `experiments.agreement` take) into
 the run folder; a stopped run resumes.
 
     python -m moaspec.training.curve --model smollm2-135m --data data/smollm2-135m-v2-seed0 \

@@ -606,7 +606,7 @@ class Trainer:
 
     def save_point(self, folder: Path, info: dict) -> None:
         """The drafters as they are now, with `info`, into `folder` (a learning curve's point): a folder
-        that `export`, `bench --checkpoints` and `bench.agreement` take like a finished run."""
+        that `export`, `bench --checkpoints` and `experiments.agreement` take like a finished run."""
         if self.rank != 0:  # data parallel: every process holds the same weights; one writes them
             return
         for st in self.students:

@@ -3,8 +3,8 @@ at 512 tokens, plain decode tokens/s, and what a pass over k new rows costs (k =
 verification of a k-token draft tree). Each side runs in its own process, so its peak memory is its own
 (`wait4`); the rounds alternate the two sides.
 
-    python -m moaspec.bench.footprint --model qwen2.5-coder-1.5b
-    python -m moaspec.bench.footprint --model bench-out/shaped/qwen2.5-7b-Q4_K_M.gguf --rounds 1
+    python -m experiments.footprint --model qwen2.5-coder-1.5b
+    python -m experiments.footprint --model bench-out/shaped/qwen2.5-7b-Q4_K_M.gguf --rounds 1
 
 Both sides decode after the 512-token prompt and run the k-row passes after 128 cached tokens. llama.cpp's
 figures are its own timers: `llama-bench` for prefill (pp512), decode (tg at depth 512) and the k-row passes
@@ -66,7 +66,7 @@ def _warm(path: Path) -> None:
 
 
 def ours(model: str, weights: str, prompt: int, new: int, ks: tuple[int, ...]) -> dict:
-    cmd = [sys.executable, "-m", "moaspec.bench.footprint", "--child", "--model", model, "--weights", weights,
+    cmd = [sys.executable, "-m", "experiments.footprint", "--child", "--model", model, "--weights", weights,
            "--prompt-tokens", str(prompt), "--new-tokens", str(new), "--ks", ",".join(map(str, ks))]
     out, _, rss = _peak(cmd)
     return {**json.loads(out.strip().splitlines()[-1]), "peak_rss_mb": rss}

@@ -2,7 +2,7 @@
 core), for the default thread count (`--threads auto`: the cores idle at start) and for fixed counts,
 plain and speculative. Each configuration runs in a fresh `moaspec generate` process, as a user's would.
 
-    python -m moaspec.bench.load --model qwen2.5-coder-0.5b --weights int4 --drafters none,lookup
+    python -m experiments.load --model qwen2.5-coder-0.5b --weights int4 --drafters none,lookup
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Locust users for `moaspec.bench.soak`: each streams greedy chat completions of prompts from a pool and
+"""Locust users for `experiments.soak`: each streams greedy chat completions of prompts from a pool and
 checks every answer against the answer the same server gave that prompt alone (greedy answers do not
 depend on what else is batched, so any other text is a session mix-up or a corruption, and fails).
 
-Run by `python -m moaspec.bench.soak` in a process of its own (locust patches the standard library with
+Run by `python -m experiments.soak` in a process of its own (locust patches the standard library with
 gevent); MOASPEC_SOAK_EXPECTED names a JSON file {"model": ..., "max_tokens": ..., "answers": {prompt:
 text}}, MOASPEC_API_KEY the key, if any.
 """

@@ -6,7 +6,7 @@ picks the layers per model and machine (`Transformer.few_row_choice`); this show
 Verification scores a draft of k tokens in one pass; speculative decoding pays off only if that pass
 costs little more than a one-row decode step.
 
-    python -m moaspec.bench.passes --model qwen2.5-coder-0.5b --rows 1,2,3,4,6,8
+    python -m experiments.passes --model qwen2.5-coder-0.5b --rows 1,2,3,4,6,8
 """
 
 from __future__ import annotations

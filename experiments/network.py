@@ -1,6 +1,6 @@
 """Client-server mode over real sockets under network profiles (arXiv 2410.03804, section 6).
 
-    python -m moaspec.bench.network --model qwen2.5-coder-0.5b --out bench-out/network
+    python -m experiments.network --model qwen2.5-coder-0.5b --out bench-out/network
 
 The target runs in its own `moaspec serve-target` process (and, for the API baseline, a `moaspec serve`
 process); the client (this process) reaches both through the shaping proxy (`serving.shaping`), whose
@@ -43,12 +43,12 @@ from pathlib import Path
 
 import torch
 
+from experiments.shaping import PROFILES, ShapingProxy
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import TreeConfig
 from moaspec.errors import UserError
-from moaspec.serving.shaping import PROFILES, ShapingProxy
 from moaspec.tasks import load_tasks
 
 DEFAULT_PROFILES = ("lan", "wifi", "5g", "4g", "satellite")
@@ -379,7 +379,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moaspec.bench.network", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.network", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
     p.add_argument("--weights", default="fp16")
     p.add_argument("--profiles", default=",".join(DEFAULT_PROFILES), help=f"among {', '.join(PROFILES)}")

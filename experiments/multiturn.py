@@ -3,7 +3,7 @@ sends it (the whole conversation every turn, greedy, streamed): time to first to
 the prompt tokens each server found cached. Our server with its prefix cache, the same without one
 (`--cache-ram 0`: every turn cold), and llama-server with its prompt cache (on by default), in one run.
 
-    python -m moaspec.bench.multiturn --model qwen2.5-coder-0.5b --out bench-out/multiturn
+    python -m experiments.multiturn --model qwen2.5-coder-0.5b --out bench-out/multiturn
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from moaspec.bench.serving import Server, _llama_server, _ours, free_port
+from experiments.serving import Server, _llama_server, _ours, free_port
 from moaspec.errors import UserError
 
 QUESTIONS = (
@@ -30,7 +30,7 @@ QUESTIONS = (
 
 def document(tokens: int = 1500) -> str:
     """About `tokens` tokens of real Python: the start of this package's draft-tree module."""
-    text = (Path(__file__).resolve().parents[1] / "decoding" / "tree.py").read_text()
+    text = (Path(__file__).resolve().parents[1] / "src" / "moaspec" / "decoding" / "tree.py").read_text()
     return text[: tokens * 3]  # ~3 characters a token for code
 
 

@@ -1,4 +1,4 @@
-"""Faults injected at random moments, many times each: `python -m moaspec.bench.faults`.
+"""Faults injected at random moments, many times each: `python -m experiments.faults`.
 
 Client-server (a `moaspec serve-target` process, SmolLM2 int8, a device in this process with the lookup
 drafter and the policy "correct": tokens written alone are replaced by the target's once it is back):
@@ -42,10 +42,10 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from moaspec.bench.network import _free_port
+from experiments.network import _free_port
+from experiments.shaping import ShapingProxy
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.errors import UserError
-from moaspec.serving.shaping import ShapingProxy
 
 MODEL = "smollm2-135m"
 TOKEN = "moaspec-faults"
@@ -316,7 +316,7 @@ def run_job(fault: str, rng: random.Random, work: Path, refs: References) -> dic
 
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moaspec.bench.faults", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.faults", description=__doc__.splitlines()[0])
     ap.add_argument("--faults", default=",".join(CS_FAULTS + JOB_FAULTS),
                     help=f"among {', '.join(CS_FAULTS + JOB_FAULTS + ('replica-kill',))}")
     ap.add_argument("--runs", type=int, default=10, help="runs of each fault")

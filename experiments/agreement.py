@@ -6,7 +6,7 @@ exactly as validation does, on the target's own answers to the benchmark's promp
 gap into what the prompts change (this against validation) and what drafting in the engine changes
 (the benchmark's accepted per drafted token against depth 1 here).
 
-    python -m moaspec.bench.agreement --run runs/curve-qwen/points/1000000 --bench bench-out/curve1m-fp16
+    python -m experiments.agreement --run runs/curve-qwen/points/1000000 --bench bench-out/curve1m-fp16
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Many clients against one server: `python -m moaspec.bench.serving`.
+"""Many clients against one server: `python -m experiments.serving`.
 
 Each server runs as its own process on loopback (ours: `moaspec serve`; the peer: llama.cpp's
 `llama-server -np N` with continuous batching, on the same GGUF our weights come from); the clients
@@ -203,7 +203,7 @@ def _llama_server(model: str, parallel: int, port: int, threads: int, ctx_per_sl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moaspec.bench.serving", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m experiments.serving", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
     p.add_argument("--servers", default="plain:fp16,suffix:fp16,moa:fp16,plain:int4,suffix:int4,llama-server",

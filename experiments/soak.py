@@ -1,9 +1,9 @@
-"""Load that holds: `python -m moaspec.bench.soak`.
+"""Load that holds: `python -m experiments.soak`.
 
 Starts `moaspec serve --replicas R` (the OpenAI API) and `moaspec serve-target --replicas R` (the target
 server) on loopback, each reached through a shaping proxy (`--profile`), and first takes each prompt's
 answer from each server alone (greedy). Then, for each client count, for `--minutes` each:
-- API: locust in a process of its own (`bench/locustfile.py`), N users streaming chat completions, every
+- API: locust in a process of its own (`experiments/locustfile.py`), N users streaming chat completions, every
   answer checked against its lone answer (a different text is a failure: a session mix-up or corruption);
 - devices: N client-server devices (threads here, drafter `--drafter`, one session each) generating one
   prompt after another, every text checked against the target's lone greedy text.
@@ -31,11 +31,11 @@ from pathlib import Path
 import httpx
 import psutil
 
-from moaspec.bench.network import _free_port
+from experiments.network import _free_port
+from experiments.shaping import ShapingProxy
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.target import TargetUnavailable
 from moaspec.errors import UserError
-from moaspec.serving.shaping import ShapingProxy
 from moaspec.tasks import TASKS, load_tasks
 
 TOKEN = "moaspec-soak"
@@ -177,7 +177,7 @@ def _write(out: str, report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moaspec.bench.soak", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.soak", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--weights", default="int8")
     ap.add_argument("--replicas", type=int, default=2)

@@ -2,7 +2,7 @@
 llama.cpp on the model's own GGUF, interleaved in rounds so machine drift hits all alike; and what
 scoring k tokens in one pass costs in each mode (the verification of a k-token draft).
 
-    python -m moaspec.bench.weights --models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b
+    python -m experiments.weights --models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from experiments.runtime import PROMPTS, greedy, scoring_cost
 from moaspec import llamacpp
-from moaspec.bench.runtime import PROMPTS, greedy, scoring_cost
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import gguf_file, load_tokenizer, resolve
 

@@ -1,7 +1,7 @@
 """What a draft step costs against a target step, and where the time goes.
 
-    python -m moaspec.bench.draftcost                                  # Qwen2.5-Coder-0.5B fp16: MoA, EAGLE-2
-    python -m moaspec.bench.draftcost --model smollm2-135m --drafters moa --rounds 21 --out cost.json
+    python -m experiments.draftcost                                  # Qwen2.5-Coder-0.5B fp16: MoA, EAGLE-2
+    python -m experiments.draftcost --model smollm2-135m --drafters moa --rounds 21 --out cost.json
 
 For a target and trained drafters (the shipped checkpoints, or `--checkpoints DIR` with <label>/ folders)
 after a prompt of `--context` tokens, it measures:

@@ -9,7 +9,7 @@
 Every answer is written to `--out/<mode>.jsonl` as it is produced, so a stopped run resumes; the
 table is printed from whatever is there.
 
-    python -m moaspec.bench.quality --model qwen2.5-coder-0.5b --modes fp32,fp16,int8,int4,llama.cpp
+    python -m experiments.quality --model qwen2.5-coder-0.5b --modes fp32,fp16,int8,int4,llama.cpp
 """
 
 from __future__ import annotations

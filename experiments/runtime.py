@@ -2,8 +2,8 @@
 plain decode tokens/s against transformers `generate`, the cost of scoring k tokens in one pass
 relative to one decode step, and tau / speedup of the training-free drafters.
 
-    python -m moaspec.bench.runtime --model qwen2.5-coder-0.5b
-    python -m moaspec.bench.runtime --model smollm2-135m --parts drafters --drafters lookup,moa,eagle,independent \
+    python -m experiments.runtime --model qwen2.5-coder-0.5b
+    python -m experiments.runtime --model smollm2-135m --parts drafters --drafters lookup,moa,eagle,independent \
         --prompts-from data/smollm2-135m-v2-seed0 --max-prompts 10 --new-tokens 96
 """
 

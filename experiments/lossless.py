@@ -1,4 +1,4 @@
-"""Losslessness at scale: `python -m moaspec.bench.lossless`.
+"""Losslessness at scale: `python -m experiments.lossless`.
 
 Every (prompt, drafter, temperature) job runs on a fork of one decoder whose target passes are batched
 with whatever other jobs happen to run beside it (`--parallel` at once, in a shuffled order, so each job
@@ -86,7 +86,7 @@ def run(model: str, weights: str, n_prompts: int, drafters: list[str], temperatu
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moaspec.bench.lossless", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.lossless", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--weights", default="int8", choices=("fp16", "int8", "int4"))
     ap.add_argument("--prompts", type=int, default=30)

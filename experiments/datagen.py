@@ -1,4 +1,4 @@
-"""What self-distillation data costs: `python -m moaspec.bench.datagen`.
+"""What self-distillation data costs: `python -m experiments.datagen`.
 
 Three ways to get a target's answers and the target's features of them, on the same prompts, one
 after another in one process:
@@ -77,7 +77,7 @@ def run(model: str, weights: str, n: int, max_new: int, parallel: int, seed: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moaspec.bench.datagen", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.datagen", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--weights", default="fp16")
     ap.add_argument("--prompts", type=int, default=32)

@@ -5,7 +5,7 @@ Each prompt is answered once (to its end or `--new-tokens`), by plain decoding a
 drafter (no memory of the other prompts' answers; the shipped datastore as a user gets it), on one copy of
 the target, interleaved per prompt; every greedy answer is checked token-identical to plain.
 
-    python -m moaspec.bench.auto --models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b --modes fp16,int8,int4
+    python -m experiments.auto --models smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b --modes fp16,int8,int4
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One layer shape, many copies streamed from memory (more bytes than the L3 cache holds), so the time is
 what a decode step sees, not a cache-hot loop; the modes are interleaved per repetition.
 
-    python -m moaspec.bench.kernels --shape 9728x896 --rows 1,2,4,8,16
+    python -m experiments.kernels --shape 9728x896 --rows 1,2,4,8,16
 """
 
 from __future__ import annotations
