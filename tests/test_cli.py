@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from moaspec import cli
+from moaspec.cli import options
 from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters import resolve_auto
 
@@ -28,7 +29,7 @@ _DECODERS: dict = {}
 @pytest.fixture(autouse=True)
 def cached_decoders(monkeypatch):
     """Load each (model, drafter, ...) once for the in-process tests: the CLI's flow is unchanged."""
-    real = cli._load_decoder
+    real = options.load_decoder
 
     def load(args, tree):
         key = (args.model, args.drafter, args.draft_model, args.weights, tree, args.max_context)
@@ -36,7 +37,7 @@ def cached_decoders(monkeypatch):
             _DECODERS[key] = real(args, tree)
         return _DECODERS[key]
 
-    monkeypatch.setattr(cli, "_load_decoder", load)
+    monkeypatch.setattr(options, "load_decoder", load)
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -163,7 +164,7 @@ def test_bad_input_exits_2_with_a_message(capsys, monkeypatch, argv):
     def no_load(*a, **k):
         raise AssertionError("bad input must be caught before loading a model")
 
-    monkeypatch.setattr(cli, "_load_decoder", no_load)
+    monkeypatch.setattr(options, "load_decoder", no_load)
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert err.startswith("error: ") and len(err.strip()) > len("error: ")
@@ -171,7 +172,7 @@ def test_bad_input_exits_2_with_a_message(capsys, monkeypatch, argv):
 
 
 def test_prompt_not_utf8_names_the_byte(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_load_decoder", lambda *a: pytest.fail("bad input must fail before loading"))
+    monkeypatch.setattr(options, "load_decoder", lambda *a: pytest.fail("bad input must fail before loading"))
     code, out, err = run(capsys, "generate", "--prompt", "ab\udcff\udcfe")
     assert (code, out) == (2, "")
     assert err == "error: --prompt is not valid UTF-8 (byte 0xff at byte offset 2); give it as UTF-8 text\n"
@@ -183,18 +184,18 @@ def test_prompt_not_utf8_names_the_byte(capsys, tmp_path, monkeypatch):
 
 def test_adaptive_tree_flag():
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--adaptive", "--depth", "5"])
-    assert cli._tree_config(args) == TreeConfig(5, 1, 5, adaptive=True)
+    assert cli.tree_config(args) == TreeConfig(5, 1, 5, adaptive=True)
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--adaptive", "--depth", "4", "--topk", "2"])
-    assert cli._tree_config(args) == TreeConfig(4, 2, 8, adaptive=True)
+    assert cli.tree_config(args) == TreeConfig(4, 2, 8, adaptive=True)
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi"])
-    assert cli._tree_config(args) == "auto"
+    assert cli.tree_config(args) == "auto"
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--min-prob", "0.2"])
-    assert cli._tree_config(args) == "auto@0.2"
+    assert cli.tree_config(args) == "auto@0.2"
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--adaptive", "--min-prob", "0.2"])
-    assert cli._tree_config(args) == TreeConfig(8, 1, 8, adaptive=True, min_prob=0.2)
+    assert cli.tree_config(args) == TreeConfig(8, 1, 8, adaptive=True, min_prob=0.2)
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi", "--depth", "3", "--topk", "1",
                                           "--min-prob", "0.1"])
-    assert cli._tree_config(args) == TreeConfig(3, 1, 6, min_prob=0.1)
+    assert cli.tree_config(args) == TreeConfig(3, 1, 6, min_prob=0.1)
 
 
 def test_prompt_longer_than_context(capsys):
@@ -207,7 +208,7 @@ def test_keyboard_interrupt_exits_130_quietly(capsys, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_load_decoder", interrupted)
+    monkeypatch.setattr(options, "load_decoder", interrupted)
     code, out, err = run(capsys, "generate", "--prompt", "hi")
     assert code == 130 and err == ""
 

@@ -184,9 +184,9 @@ def test_greedy_unchanged_by_sampled_drafts(tiny):
 
 def test_deterministic_drafts_flag():
     parse = cli.build_parser().parse_args
-    assert cli._generation_config(parse(["generate", "--prompt", "hi"])).sampled_drafts
+    assert cli.generation_config(parse(["generate", "--prompt", "hi"])).sampled_drafts
     args = parse(["chat", "--deterministic-drafts", "--temperature", "1"])
-    assert not cli._generation_config(args).sampled_drafts
+    assert not cli.generation_config(args).sampled_drafts
 
 
 @pytest.mark.slow

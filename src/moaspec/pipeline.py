@@ -21,7 +21,7 @@ from moaspec.decoding.engine import TARGET, Engine, GenerationConfig, Metrics
 from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.target import ContextEncoder, LocalTarget, TargetSide, TokenLogprob
 from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig, split_min_prob, tree_for_costs
-from moaspec.drafters import build_drafter
+from moaspec.drafters import DEFAULT_DRAFT_MODEL, build_drafter, resolve_auto
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
 from moaspec.models import quant
@@ -266,6 +266,21 @@ class SpecDecoder:
                                  defer_context=getattr(self.drafter, "defers_context", False),
                                  candidates=getattr(self.drafter, "candidates", 0))
         self.engine = Engine(target, self.drafter, tree, adapt)
+
+    @property
+    def drafter_name(self) -> str:
+        """The drafter that runs: `auto` resolved to what it picked for this target."""
+        name = self._drafter_args["drafter"]
+        return resolve_auto(self.model_name) if name == "auto" else name
+
+    def describe(self) -> str:
+        """The target and what drafts for it, as a user names them ("qwen + hybrid:switch (suffix + moa)")."""
+        a, name = self._drafter_args, self.drafter_name
+        if name == "model":
+            return f"{self.model_name} + model:{a['draft_model'] or DEFAULT_DRAFT_MODEL.get(self.model_name, '?')}"
+        if name == "hybrid":
+            return f"{self.model_name} + hybrid:{a['hybrid_policy']} (suffix + {a['hybrid_model']})"
+        return f"{self.model_name} + {name}"
 
     def auto_tree(self) -> TreeConfig:
         """The tree this machine affords the loaded drafter (`tree_for_costs` over measured pass costs)."""

@@ -63,6 +63,7 @@ from moaspec.decoding.target import MAX_TOP_LOGPROBS
 from moaspec.decoding.tree import MAX_TREE_TOKENS
 from moaspec.drafters import ready_drafters
 from moaspec.errors import ContextLengthError, UserError
+from moaspec.flags import flagged
 from moaspec.models.linear import QUANTISED, WEIGHT_MODES
 from moaspec.models.runtime import PREFILL_CHUNK
 from moaspec.serving import api_schema as S
@@ -93,18 +94,26 @@ class ApiLimits:
     """Bounds on one request, and on how many run at once. A prompt must also leave room for max_tokens in the
     target's context."""
 
-    max_prompt_tokens: int = 8192
-    max_tokens: int = 1024  # the largest max_tokens a request may ask for, and the default when it gives none
+    max_prompt_tokens: int = flagged(8192, "--max-prompt-tokens", "longest prompt a request may send")
+    max_tokens: int = flagged(1024, "--max-tokens", "largest max_tokens a request may ask for, and the default for "
+                              "one that gives none")
     max_body_bytes: int = 4 << 20
-    parallel: int = 8  # generations decoding together (like llama-server's -np)
-    max_waiting: int = 32  # requests queued for a place; beyond, 503 with Retry-After
-    kv_memory_mb: int = 2048  # KV caches of the generations in progress (a local target's)
-    cache_ram_mb: int = 1024  # finished generations' KV caches kept for prompts that start alike (0: none)
+    parallel: int = flagged(8, "--parallel", "generations decoding together, their target passes batched (each "
+                            "answer identical to a lone run; llama-server's -np)")
+    max_waiting: int = flagged(32, "--max-waiting", "requests queued for a place; beyond, 503 with Retry-After")
+    kv_memory_mb: int = flagged(2048, "--kv-memory-mb", "KV-cache memory of the generations in progress (each "
+                                "reserves what its prompt + max_tokens may fill)")
+    cache_ram_mb: int = flagged(1024, "--cache-ram", "memory for finished generations' KV caches, kept (least "
+                                "recently used out first) so that a conversation's next turn or a shared system "
+                                "prompt prefills only what is new; 0: none", "MB")
     max_batch_rows: int = 512  # rows of one batched pass
-    gather_ms: float = 5.0  # how long a pass waits for the generations the last one served
-    # weight modes a request may ask for besides the served one (`weights`): each loads a full copy of the
-    # target the first time, kept for the server's life, so none unless the operator offers them
-    weight_modes: tuple[str, ...] = ()
+    gather_ms: float = flagged(5.0, "--gather-ms", "how long a batched pass waits for the generations the last "
+                               "one served")
+    # none unless the operator offers them: each loads a full copy of the target, kept for the server's life
+    weight_modes: tuple[str, ...] = flagged((), "--weight-modes", "weight modes a request may ask for (its "
+                                            "'weights' field) besides the served one, comma-separated (e.g. "
+                                            "fp16,int8): each loads a full copy of the target on first use, kept, "
+                                            "if the free memory holds it", "MODES", csv=True)
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_tokens", "max_body_bytes", "parallel", "max_waiting", "kv_memory_mb",
@@ -1378,6 +1387,18 @@ def create_app(dec: SpecDecoder, model_name: str, token: str | None = None, limi
     open); `drafter`: its name in `usage.speculative` (default: the drafter's own); `hosts`: names it is
     reached by besides loopback ones; `scheduler_thread`: False when `serve` runs the passes on its thread."""
     return OpenAIServer(dec, model_name, token, limits, drafter, hosts, scheduler_thread).app
+
+
+def build_app(decoder: dict[str, Any], token: str | None, limits: ApiLimits, scheduler_thread: bool = True
+              ) -> FastAPI:
+    """The API `moaspec serve` runs: a `SpecDecoder(**decoder)` (its model, drafter, tree, weights or remote
+    target) behind `token` and `limits`; with `scheduler_thread` (a Ray Serve replica's) its passes run on a
+    thread of their own."""
+    from moaspec.pipeline import SpecDecoder
+
+    dec = SpecDecoder(**decoder)
+    return create_app(dec, decoder["model"], token=token, limits=limits, drafter=dec.drafter_name,
+                      scheduler_thread=scheduler_thread)
 
 
 def check_host(host: str, token: str | None) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import DraftDist, Tree
 from moaspec.errors import UserError
+from moaspec.flags import flagged
 from moaspec.models.runtime import PREFILL_CHUNK
 
 ENDPOINT = "/v1/target"  # the WebSocket path of a target session
@@ -85,21 +86,23 @@ class Limits:
     reserves the KV cache its prompt + max_new_tokens (+ a tree) can fill, out of `kv_memory_mb`; a
     start that does not fit waits (FIFO, at most `max_waiting`), beyond that it is told to retry."""
 
-    max_prompt_tokens: int = 3072
-    max_seq_len: int = 4096  # prompt + generated tokens + one tree, per session
-    max_tree_tokens: int = 128  # nodes of one draft tree, the root included
-    max_sessions: int = 64  # open sessions (connections) per bearer token
-    max_connections: int = 256  # open sessions in all
-    kv_memory_mb: int = 2048  # KV caches of the generations in progress
-    cache_ram_mb: int = 1024  # ended generations' caches kept for a session's next turn or a reconnect (0: none)
-    max_waiting: int = 64  # starts queued for memory
-    max_batch_rows: int = 256  # rows of one batched pass (a whole prompt chunk or tree always fits)
-    gather_ms: float = 5.0  # how long a pass waits for the sessions the last one served
-    idle_timeout_s: float = 300.0  # a session without a start or verify for this long is closed
+    max_prompt_tokens: int = flagged(3072, "--max-prompt-tokens", "longest prompt a session may send")
+    max_seq_len: int = flagged(4096, "--max-context", "KV-cache size per session (prompt + generated tokens + a tree)")
+    max_tree_tokens: int = flagged(128, "--max-tree-tokens", "nodes of one draft tree, the root included")
+    max_sessions: int = flagged(64, "--max-sessions", "open sessions per token")
+    max_connections: int = flagged(256, "--max-connections", "open sessions in all")
+    kv_memory_mb: int = flagged(2048, "--kv-memory-mb", "KV-cache memory of the generations in progress: each "
+                                "reserves what its prompt + max_new_tokens may fill; the rest wait")
+    cache_ram_mb: int = flagged(1024, "--cache-ram", "memory for ended generations' KV caches, kept for a session's "
+                                "next turn or its reconnection (least recently used out first); 0: none", "MB")
+    max_waiting: int = flagged(64, "--max-waiting", "generations queued for memory; beyond, a start is told to retry")
+    max_batch_rows: int = flagged(256, "--max-batch-rows", "rows of one batched pass (a prompt chunk or tree fits)")
+    gather_ms: float = flagged(5.0, "--gather-ms", "how long a pass waits for the sessions the last one served")
+    idle_timeout_s: float = flagged(300.0, "--idle-timeout", "seconds before an idle session is closed")
     max_message_bytes: int = 1 << 20
-    # the part of kv_memory_mb one bearer token's generations may hold together (None: all of it with one token,
-    # half with more), so that one client cannot keep the others out
-    token_kv_share: float | None = None
+    token_kv_share: float | None = flagged(None, "--token-kv-share", "the part of --kv-memory-mb one token's "
+                                           "generations may hold together (default: all with one token, half with "
+                                           "more), so that one client cannot keep the others out", "FRACTION")
 
     def __post_init__(self) -> None:
         for name in ("max_prompt_tokens", "max_seq_len", "max_tree_tokens", "max_sessions", "max_connections",

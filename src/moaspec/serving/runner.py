@@ -19,6 +19,7 @@ import anyio
 
 from moaspec.decoding.scheduler import Scheduler
 from moaspec.errors import UserError
+from moaspec.flags import flagged
 from moaspec.threads import one_thread
 
 T = TypeVar("T")
@@ -39,9 +40,12 @@ class ConnectionLimits:
     """What one connection may take before it sends a whole request: uvicorn times out none of it, so a
     client that trickles its headers (or a body) holds a connection, a descriptor and a place forever."""
 
-    header_timeout_s: float = 10.0  # from the connection (or the last answer) to the request's last header
-    body_timeout_s: float = 60.0  # from the headers to the body's last byte
-    per_client: int = 64  # open HTTP connections from one address (WebSockets, once upgraded, are the server's)
+    header_timeout_s: float = flagged(10.0, "--header-timeout", "a connection whose request headers are not all "
+                                      "in by then is closed (slow clients hold no place)", metavar="S")
+    body_timeout_s: float = flagged(60.0, "--body-timeout", "likewise for a request's body, from its headers",
+                                    metavar="S")
+    # WebSockets, once upgraded, are the server's
+    per_client: int = flagged(64, "--max-client-connections", "open HTTP connections from one address; beyond, 503")
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):

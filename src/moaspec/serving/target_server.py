@@ -380,6 +380,25 @@ class TargetServer:
             sess.end()
 
 
+def build(model: str, weights: str, tokens: list[str], limits: Limits, drafter_paths: dict[str, Path] | None = None,
+          scheduler_thread: bool = True) -> TargetServer:
+    """The server `moaspec serve-target` runs: `model` in `weights`, a session's context `limits.max_seq_len`,
+    the encoders of `drafter_paths` (label -> checkpoint; None: every drafter shipped for the target)."""
+    from moaspec.models.store import weights_fingerprint
+    from moaspec.pipeline import SpecDecoder
+
+    dec = SpecDecoder(model, drafter="none", weights=weights, max_seq_len=limits.max_seq_len)
+    fp = weights_fingerprint(dec.folder)
+    encoders = load_encoders(dec.target, model, fp, drafter_paths)
+    return TargetServer(dec.target, model, fp, tokens, encoders, limits, dec.pass_costs(),
+                        scheduler_thread=scheduler_thread)
+
+
+def build_app(*args: Any, **kwargs: Any) -> FastAPI:
+    """A Ray Serve replica's ASGI app (`serving.cluster`): `build`'s server, its passes on a thread of their own."""
+    return build(*args, **kwargs, scheduler_thread=True).app
+
+
 def busy_frame(message: str, retry_after: float, fatal: bool = False) -> bytes:
     return pack({"type": "error", "message": message, "fatal": fatal, "busy": True, "retry_after": retry_after})
 
