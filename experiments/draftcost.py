@@ -26,7 +26,6 @@ machine (`OMP_NUM_THREADS=1`; `--threads`) and compare ratios, not milliseconds.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 
 from moaspec.decoding.tree import TreeConfig
-from moaspec.drafters import TRAINED, drafter_kind, shipped_checkpoint
+from moaspec.drafters import SPECS, TRAINED, drafter_kind, shipped_checkpoint
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.runtime import Transformer
 
@@ -125,8 +124,7 @@ class Bench:
             if kind not in TRAINED:
                 raise SystemExit(f"{label}: draftcost measures trained drafters ({', '.join(TRAINED)})")
             path = Path(checkpoints) / label if checkpoints else shipped_checkpoint(label, model)
-            module = importlib.import_module(f"moaspec.drafters.{kind}")
-            self.drafters[label] = module.load(path, self.target, model, fingerprint)
+            self.drafters[label] = SPECS[kind].load(path, self.target, model, fingerprint)
         hidden = tuple(sorted({h for d in self.drafters.values() if d.encoder for h in d.encoder.hidden_layers}))
         self.target.reset()
         out = self.target.prefill(self.prompt, hidden_layers=hidden)

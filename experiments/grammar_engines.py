@@ -4,7 +4,7 @@ compute a token mask, and their dependencies (docs/serving.md: why llguidance).
 xgrammar and outlines-core are not dependencies of moaspec; install them beside it, without their dependencies:
 
     .venv/bin/pip install --target /tmp/gx --no-deps xgrammar==0.2.9 outlines-core==0.2.14 apache-tvm-ffi
-    PYTHONPATH=/tmp/gx .venv/bin/python experiments/grammar_engines.py --model qwen2.5-coder-0.5b
+    PYTHONPATH=/tmp/gx .venv/bin/python -m experiments.grammar_engines --model qwen2.5-coder-0.5b
 
 outlines-core's vocabulary is built from the raw token strings here (a byte-level approximation): its compile
 time is what is measured, not its masks.

@@ -1,7 +1,7 @@
 """Structured outputs and speculation side by side: tokens/s and tau of free text and of answers held to a JSON
 schema, with no drafter, the lookup drafter and the suffix drafter, in interleaved rounds (docs/serving.md).
 
-    .venv/bin/python experiments/grammar_speed.py --model qwen2.5-coder-0.5b --weights gguf --rounds 2
+    .venv/bin/python -m experiments.grammar_speed --model qwen2.5-coder-0.5b --weights gguf --rounds 2
 
 Run it on a quiet machine: the rows of one run are comparable, runs of different days are not.
 """

@@ -18,6 +18,7 @@ import moaspec.drafters.moa as moa
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import Tree, TreeConfig
+from moaspec.drafters import SPECS
 from moaspec.drafters.eagle import EagleConfig, EagleDrafter, FeatureEncoder
 from moaspec.drafters.independent import IndependentConfig, IndependentDrafter
 from moaspec.errors import UserError
@@ -265,66 +266,64 @@ def test_eagle_needs_features(smol_model):
 # ----------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("kind", ["eagle", "independent"])
 def test_checkpoint_round_trip(smol_model, tmp_path, kind):
-    mod = MODULES[kind]
     d = _drafter(smol_model, kind, vocab_ids=1024, seed=2)
     seq = list(range(500, 520))
     feats = _features(smol_model, seq) if kind == "eagle" else None
     ref = _train_logits(smol_model, d, seq, feats)
-    mod.save(d, tmp_path / "fp32")
+    SPECS[kind].save(d, tmp_path / "fp32")
     config = json.loads((tmp_path / "fp32" / "config.json").read_text())
     assert config["kind"] == kind and config["target_name"] == NAME and config["target_fingerprint"] == FINGERPRINT
     assert config["vocab_ids"] == 1024 and config["hidden_size"] == 576
-    assert mod.read_config(tmp_path / "fp32") == d.cfg
-    loaded = mod.load(tmp_path / "fp32", smol_model, NAME, FINGERPRINT)
+    assert SPECS[kind].read_config(tmp_path / "fp32") == d.cfg
+    loaded = SPECS[kind].load(tmp_path / "fp32", smol_model, NAME, FINGERPRINT)
     assert type(loaded) is type(d) and not loaded.training
     assert torch.equal(loaded.vocab_ids, d.vocab_ids) and torch.equal(loaded.head, d.head)
     assert torch.equal(_train_logits(smol_model, loaded, seq, feats), ref)
 
-    mod.save(d, tmp_path / "fp16", fp16=True)
+    SPECS[kind].save(d, tmp_path / "fp16", fp16=True)
     assert (tmp_path / "fp16" / "model.safetensors").stat().st_size < 0.6 * (
         tmp_path / "fp32" / "model.safetensors").stat().st_size
-    half = mod.load(tmp_path / "fp16", smol_model, NAME, FINGERPRINT)
+    half = SPECS[kind].load(tmp_path / "fp16", smol_model, NAME, FINGERPRINT)
     assert (_train_logits(smol_model, half, seq, feats) - ref).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("kind", ["eagle", "independent"])
 def test_checkpoint_errors(smol_model, tmp_path, kind):
-    mod = MODULES[kind]
     d = _drafter(smol_model, kind)
-    folder = mod.save(d, tmp_path / "ckpt")
+    folder = SPECS[kind].save(d, tmp_path / "ckpt")
     with pytest.raises(UserError, match="fingerprint"):
-        mod.load(folder, smol_model, NAME, "ffffffffffffffff")
+        SPECS[kind].load(folder, smol_model, NAME, "ffffffffffffffff")
     with pytest.raises(UserError, match="trained for target"):
-        mod.load(folder, smol_model, "qwen2.5-coder-0.5b", FINGERPRINT)
+        SPECS[kind].load(folder, smol_model, "qwen2.5-coder-0.5b", FINGERPRINT)
     with pytest.raises(UserError, match="missing"):
-        mod.load(tmp_path / "nowhere", smol_model, NAME, FINGERPRINT)
-    other_kind = MODULES["independent" if kind == "eagle" else "eagle"]
+        SPECS[kind].load(tmp_path / "nowhere", smol_model, NAME, FINGERPRINT)
+    other_kind = SPECS["independent" if kind == "eagle" else "eagle"]
     with pytest.raises(UserError, match="kind"):
         other_kind.load(folder, smol_model, NAME, FINGERPRINT)
-    moa_folder = moa.save(moa.MoADrafter.from_target(
+    moa_folder = SPECS["moa"].save(moa.MoADrafter.from_target(
         smol_model, moa.MoAConfig.for_target(smol_model.cfg, target_name=NAME, target_fingerprint=FINGERPRINT)),
         tmp_path / "moa")
     with pytest.raises(UserError, match="kind"):
-        mod.load(moa_folder, smol_model, NAME, FINGERPRINT)
+        SPECS[kind].load(moa_folder, smol_model, NAME, FINGERPRINT)
 
-    dims = mod.save(d, tmp_path / "dims")
+    dims = SPECS[kind].save(d, tmp_path / "dims")
     cfg = json.loads((dims / "config.json").read_text())
     cfg["hidden_size"] = 896
     (dims / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="hidden_size"):
-        mod.load(dims, smol_model, NAME, FINGERPRINT)
+        SPECS[kind].load(dims, smol_model, NAME, FINGERPRINT)
     (dims / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="corrupt"):
-        mod.load(dims, smol_model, NAME, FINGERPRINT)
+        SPECS[kind].load(dims, smol_model, NAME, FINGERPRINT)
 
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match="corrupt"):
-        mod.load(folder, smol_model, NAME, FINGERPRINT)
+        SPECS[kind].load(folder, smol_model, NAME, FINGERPRINT)
     weights.write_bytes(b"")
     with pytest.raises(UserError):
-        mod.load(folder, smol_model, NAME, FINGERPRINT)
+        SPECS[kind].load(folder, smol_model, NAME, FINGERPRINT)
     weights.unlink()
     with pytest.raises(UserError, match="model.safetensors"):
-        mod.load(folder, smol_model, NAME, FINGERPRINT)
+        SPECS[kind].load(folder, smol_model, NAME, FINGERPRINT)

@@ -20,7 +20,7 @@ import moaspec.drafters.trained as trained
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import TreeConfig
-from moaspec.drafters import shipped_checkpoint
+from moaspec.drafters import SPECS, shipped_checkpoint
 from moaspec.drafters.layers import CrossAttentionLayer, DecoderLayer, KVCache, rope
 from moaspec.models import quant
 from moaspec.models.runtime import Transformer, signed_sin
@@ -143,7 +143,7 @@ def test_fused_fp16_blocks_match_the_op_by_op_path():
 def test_encoder_encode_matches_forward(smol_folder, weights):
     """The target-side encoder over 1..4 verified tokens and over a prompt longer than its chunk."""
     target = Transformer(smol_folder, weights=weights, max_seq_len=128)
-    d = moa.load(shipped_checkpoint("moa", SMOL), target, SMOL, weights_fingerprint(smol_folder))
+    d = SPECS["moa"].load(shipped_checkpoint("moa", SMOL), target, SMOL, weights_fingerprint(smol_folder))
     enc = d.encoder
     n = enc.CHUNK + 9
     target.prefill(list(range(1000, 1000 + n)))
@@ -173,7 +173,7 @@ def test_fp16_drafts_match_reference_math_on_shipped_checkpoint(smol_folder, smo
         pytest.skip("the int8 kernels are not available here")
     near_tie, max_ties = {"fp16": (NEAR_TIE, 0.01), "int8": (INT8_NEAR_TIE, 0.07)}[head]
     target = Transformer(smol_folder, weights="fp16", max_seq_len=512)
-    d = moa.load(shipped_checkpoint("moa", SMOL), target, SMOL, weights_fingerprint(smol_folder))
+    d = SPECS["moa"].load(shipped_checkpoint("moa", SMOL), target, SMOL, weights_fingerprint(smol_folder))
     rounds = []  # (verified tokens P, [root, drafted...], [log-probs of root, node 1, ...])
     real = moa.grow_tree
 

@@ -19,6 +19,7 @@ import moaspec.drafters.moa as moa
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import Tree, TreeConfig
+from moaspec.drafters import SPECS
 from moaspec.drafters.moa import (
     ContextEncoder,
     FrozenTargetLayer,
@@ -269,20 +270,20 @@ def test_checkpoint_round_trip(smol_model, tmp_path, query_state):
     start = verification_starts(len(seq), 6, 5)
     with torch.no_grad():
         ref = d.forward_train(torch.tensor([seq]), ctx, start, tail, states=states).logits
-    moa.save(d, tmp_path / "fp32")
+    SPECS["moa"].save(d, tmp_path / "fp32")
     config = json.loads((tmp_path / "fp32" / "config.json").read_text())
     assert config["kind"] == "moa" and config["target_name"] == NAME and config["target_fingerprint"] == FINGERPRINT
     assert config["tli_layers"] == 1 and config["vocab_ids"] == 1024 and config["hidden_size"] == 576
     assert config["query_state"] == query_state
-    loaded = moa.load(tmp_path / "fp32", smol_model, NAME, FINGERPRINT)
+    loaded = SPECS["moa"].load(tmp_path / "fp32", smol_model, NAME, FINGERPRINT)
     assert torch.equal(loaded.vocab_ids, d.vocab_ids)
     with torch.no_grad():
         assert torch.equal(loaded.forward_train(torch.tensor([seq]), ctx, start, tail, states=states).logits, ref)
 
-    moa.save(d, tmp_path / "fp16", fp16=True)
+    SPECS["moa"].save(d, tmp_path / "fp16", fp16=True)
     assert (tmp_path / "fp16" / "model.safetensors").stat().st_size < 0.6 * (
         tmp_path / "fp32" / "model.safetensors").stat().st_size
-    half = moa.load(tmp_path / "fp16", smol_model, NAME, FINGERPRINT)
+    half = SPECS["moa"].load(tmp_path / "fp16", smol_model, NAME, FINGERPRINT)
     with torch.no_grad():
         assert (half.forward_train(torch.tensor([seq]), ctx, start, tail, states=states).logits - ref).abs().max() \
             < 0.05
@@ -290,33 +291,33 @@ def test_checkpoint_round_trip(smol_model, tmp_path, query_state):
 
 def test_checkpoint_errors(smol_model, tmp_path):
     d = _drafter(smol_model)
-    folder = moa.save(d, tmp_path / "ckpt")
+    folder = SPECS["moa"].save(d, tmp_path / "ckpt")
     with pytest.raises(UserError, match="fingerprint"):
-        moa.load(folder, smol_model, NAME, "ffffffffffffffff")
+        SPECS["moa"].load(folder, smol_model, NAME, "ffffffffffffffff")
     with pytest.raises(UserError, match="trained for target"):
-        moa.load(folder, smol_model, "qwen2.5-coder-0.5b", FINGERPRINT)
+        SPECS["moa"].load(folder, smol_model, "qwen2.5-coder-0.5b", FINGERPRINT)
     with pytest.raises(UserError, match="missing"):
-        moa.load(tmp_path / "nowhere", smol_model, NAME, FINGERPRINT)
+        SPECS["moa"].load(tmp_path / "nowhere", smol_model, NAME, FINGERPRINT)
 
     other = tmp_path / "dims"
-    moa.save(d, other)
+    SPECS["moa"].save(d, other)
     cfg = json.loads((other / "config.json").read_text())
     cfg["hidden_size"] = 896
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="hidden_size"):
-        moa.load(other, smol_model, NAME, FINGERPRINT)
+        SPECS["moa"].load(other, smol_model, NAME, FINGERPRINT)
 
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(UserError, match="corrupt"):
-        moa.load(folder, smol_model, NAME, FINGERPRINT)
+        SPECS["moa"].load(folder, smol_model, NAME, FINGERPRINT)
     weights.write_bytes(b"")
     with pytest.raises(UserError):
-        moa.load(folder, smol_model, NAME, FINGERPRINT)
+        SPECS["moa"].load(folder, smol_model, NAME, FINGERPRINT)
     weights.unlink()
     with pytest.raises(UserError, match="model.safetensors"):
-        moa.load(folder, smol_model, NAME, FINGERPRINT)
+        SPECS["moa"].load(folder, smol_model, NAME, FINGERPRINT)
 
 
 def test_draft_linear_fast_path_matches_and_follows_weight_updates():

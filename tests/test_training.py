@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DATA_DIRS, data_dir_params
 
-from moaspec.drafters import moa
+from moaspec.drafters import SPECS, moa
 from moaspec.errors import UserError
 from moaspec.training import data as D
 from moaspec.training import prompts as P
@@ -202,7 +202,7 @@ def test_training_lowers_validation_loss(tmp_path):
     assert [p.name for p in shipped] == list(before)
     for p in shipped:
         assert json.loads((p / "config.json").read_text())["dtype"] == "fp16" and (p / "training.json").exists()
-    fresh = moa.load(tmp_path / "ship" / "moa-n1", tr.target, cfg.model, tr.drafter.cfg.target_fingerprint)
+    fresh = SPECS["moa"].load(tmp_path / "ship" / "moa-n1", tr.target, cfg.model, tr.drafter.cfg.target_fingerprint)
     assert fresh.cfg.tli_layers == 1
 
     # exported drafters are a run too: their config for experiments.agreement, and the start of a fine-tune

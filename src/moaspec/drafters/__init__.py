@@ -2,22 +2,101 @@
 
 from __future__ import annotations
 
+import importlib
 import json
-from functools import lru_cache
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from moaspec.errors import UserError
 
 if TYPE_CHECKING:
     from moaspec.decoding.drafter import Drafter
-    from moaspec.drafters.datastore import Datastore
     from moaspec.models.parts import TargetParts
 
-DRAFTERS = ("auto", "none", "lookup", "suffix", "recycling", "hybrid", "model", "moa", "eagle", "independent")
-TRAINED = ("moa", "eagle", "independent")  # drafters loaded from a checkpoint folder
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One kind of drafter: the module under `moaspec.drafters` that holds it and whether it is trained. A
+    training-free module defines `build(request)`; a trained one its drafter class as `DRAFTER` (its config
+    `DRAFTER.config_cls`) and, if it has a target-side half, `load_encoder`. A new drafter is its module and
+    one line in `SPECS`."""
+
+    name: str
+    module: str
+    trained: bool = False  # loaded from a checkpoint folder that `moaspec train --kind NAME` writes
+
+    def impl(self) -> ModuleType:
+        return importlib.import_module(f"moaspec.drafters.{self.module}")
+
+    def build(self, request: DrafterRequest) -> Drafter:
+        if not self.trained:
+            return self.impl().build(request)
+        from moaspec.models.store import resolve, weights_fingerprint
+
+        folder = Path(request.drafter_path) if request.drafter_path else shipped_checkpoint(self.name, request.model)
+        if not folder.exists():
+            raise UserError(f"no {self.name} drafter for {request.model!r} at {folder}: train one with `moaspec "
+                            f"train --kind {self.name} --model {request.model}` and pass --drafter-path, or use "
+                            "--drafter lookup")
+        return self.load(folder, request.target, request.model, weights_fingerprint(resolve(request.model)))
+
+    # ---- checkpoints of a trained kind: config.json + model.safetensors, naming the target they were made for
+    def save(self, drafter: Any, folder: str | Path, fp16: bool = False) -> Path:
+        """config.json (kind, sizes, target name + fingerprint) + model.safetensors (trainable weights and
+        vocab ids; fp16 halves the float tensors)."""
+        from moaspec.drafters.trained import save_checkpoint
+
+        return save_checkpoint(drafter, folder, self.name, fp16)
+
+    def read_config(self, folder: str | Path) -> Any:
+        from moaspec.drafters.trained import read_checkpoint_config
+
+        return read_checkpoint_config(folder, self.name, self.impl().DRAFTER.config_cls)
+
+    def load(self, folder: str | Path, target: TargetParts, target_name: str, fingerprint: str) -> Any:
+        """A drafter `save` wrote, attached to `target`. UserError for a checkpoint of another target (name,
+        weights fingerprint or dimensions) and for missing or corrupt files."""
+        from moaspec.drafters.trained import load_checkpoint
+
+        return load_checkpoint(folder, self.name, self.impl().DRAFTER, target, target_name, fingerprint)
+
+    def load_encoder(self, folder: str | Path, target: Any, target_name: str, fingerprint: str) -> Any | None:
+        """The target-side half of a checkpoint alone, for a server (None: the kind reads token ids only)."""
+        load = getattr(self.impl(), "load_encoder", None)
+        return None if load is None else load(folder, target, target_name, fingerprint)
+
+
+@dataclass(frozen=True)
+class DrafterRequest:
+    """What building a drafter may need: the target's name and the frozen parts it shares, and the options
+    that name the drafter's own parts (a draft model, a checkpoint, a hybrid's halves, a datastore)."""
+
+    model: str
+    target: TargetParts
+    draft_model: str | None = None
+    drafter_path: str | None = None
+    hybrid_model: str = "moa"
+    hybrid_policy: str = "switch"
+    datastore: str | None = None
+
+
+SPECS = {s.name: s for s in (
+    DrafterSpec("lookup", "lookup"),
+    DrafterSpec("suffix", "suffix"),
+    DrafterSpec("recycling", "recycling"),
+    DrafterSpec("hybrid", "hybrid"),
+    DrafterSpec("model", "draft_model"),
+    DrafterSpec("moa", "moa", trained=True),
+    DrafterSpec("eagle", "eagle", trained=True),
+    DrafterSpec("independent", "independent", trained=True),
+)}
+DRAFTERS = ("auto", "none", *SPECS)
+TRAINED = tuple(name for name, spec in SPECS.items() if spec.trained)
 # `hybrid` = the suffix drafter + one of these (its --drafter-path / --draft-model), per `hybrid.POLICIES`
 HYBRID_MODELS = ("model", "recycling", *TRAINED)
+
 
 # The same-tokenizer draft model a target gets when `--draft-model` is not given. SmolLM2 drafts
 # for itself: useless for speed, but every draft is then accepted at T=0, a sharp engine test.
@@ -56,86 +135,19 @@ def ready_drafters(model: str) -> list[str]:
     return ["none", "lookup", "suffix", "recycling", *trained, *(["hybrid"] if "moa" in trained else [])]
 
 
-@lru_cache(maxsize=4)
-def load_datastore(model: str, datastore: str | None = None) -> Datastore | None:
-    """The suffix drafter's datastore (`drafters.datastore`): the one shipped for the target when
-    `datastore` is None (none shipped: no store), none for "none", else the folder given. Read-only
-    once built, so one copy serves every drafter of the process (a folder is read once per process)."""
-    from moaspec.drafters.datastore import Datastore
-
-    if datastore == "none":
-        return None
-    if datastore is None:
-        folder = shipped_checkpoint("datastore", model)
-        return Datastore.load(folder, model) if folder.exists() else None
-    return Datastore.load(datastore, model)
+def drafter_spec(name: str) -> DrafterSpec:
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise UserError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}") from None
 
 
-def _store(model: str, datastore: str | None, target: TargetParts) -> Datastore | None:
-    store = load_datastore(model, datastore)
-    if store is not None and store.max_token >= target.cfg.vocab_size:
-        raise UserError(f"the datastore {datastore or '(shipped)'} holds token {store.max_token}, past {model}'s "
-                        f"vocabulary of {target.cfg.vocab_size}: rebuild it with `moaspec datastore --model {model}`")
-    return store
-
-
-def build_drafter(name: str, model_name: str, target: TargetParts, draft_model: str | None = None,
-                  drafter_path: str | None = None, hybrid_model: str = "moa",
-                  hybrid_policy: str = "switch", datastore: str | None = None) -> Drafter | None:
-    """The drafter `name` for target `model_name`, whose frozen parts (a `Transformer`, or a
-    `PartialTarget` on a client) the trained drafters share. `datastore`: the suffix drafter's (also
-    a hybrid's), see `load_datastore`."""
+def build_drafter(name: str, model: str, target: TargetParts, **options: Any) -> Drafter | None:
+    """The drafter `name` ("auto": `resolve_auto`; "none": None) for target `model`, whose frozen parts (a
+    `Transformer`, or a `PartialTarget` on a client) the trained drafters share; `options`: the rest of a
+    `DrafterRequest`."""
     if name == "auto":
-        name = resolve_auto(model_name)
+        name = resolve_auto(model)
     if name == "none":
         return None
-    if name == "lookup":
-        from moaspec.drafters.lookup import LookupDrafter
-
-        return LookupDrafter()
-    if name == "recycling":
-        from moaspec.drafters.recycling import RecyclingDrafter
-
-        return RecyclingDrafter()
-    if name == "suffix":
-        from moaspec.drafters.suffix import SuffixDrafter
-
-        return SuffixDrafter(store=_store(model_name, datastore, target))
-    if name == "hybrid":
-        from moaspec.drafters.hybrid import HybridDrafter
-        from moaspec.drafters.suffix import SuffixDrafter
-
-        if hybrid_model not in HYBRID_MODELS:
-            raise UserError(f"the hybrid drafter pairs the suffix drafter with one of {', '.join(HYBRID_MODELS)}; "
-                            f"got {hybrid_model!r}")
-        model = build_drafter(hybrid_model, model_name, target, draft_model=draft_model, drafter_path=drafter_path)
-        return HybridDrafter(SuffixDrafter(store=_store(model_name, datastore, target)), model, hybrid_policy)
-    if name == "model":
-        from moaspec.drafters.draft_model import DraftModelDrafter
-        from moaspec.models.runtime import Transformer
-        from moaspec.models.store import load_tokenizer, resolve
-
-        draft_model = draft_model or DEFAULT_DRAFT_MODEL.get(model_name)
-        if draft_model is None:
-            raise UserError(f"--drafter model needs --draft-model NAME for target {model_name!r}")
-        folder = resolve(draft_model)
-        if draft_model != model_name and \
-                load_tokenizer(folder).get_vocab() != load_tokenizer(resolve(model_name)).get_vocab():
-            raise UserError(f"draft model {draft_model!r} does not share the target's tokenizer")
-        model = Transformer(folder, weights=target.weights, device=target.device, max_seq_len=target.max_seq_len)
-        return DraftModelDrafter(model)
-    if name in TRAINED:
-        import importlib
-
-        from moaspec.models.store import resolve, weights_fingerprint
-
-        folder = Path(drafter_path) if drafter_path else shipped_checkpoint(name, model_name)
-        if not folder.exists():
-            raise UserError(
-                f"no {name} drafter for {model_name!r} at {folder}: train one with "
-                f"`moaspec train --kind {name} --model {model_name}` and pass --drafter-path, "
-                "or use --drafter lookup"
-            )
-        module = importlib.import_module(f"moaspec.drafters.{name}")
-        return module.load(folder, target, model_name, weights_fingerprint(resolve(model_name)))
-    raise UserError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTERS)}")
+    return drafter_spec(name).build(DrafterRequest(model, target, **options))

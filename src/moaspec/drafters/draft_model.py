@@ -7,13 +7,17 @@ per pass with a tree mask over the tentative nodes, and finally drops them again
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.trained import place_frontier
+from moaspec.errors import UserError
 from moaspec.models.runtime import Transformer
+
+if TYPE_CHECKING:
+    from moaspec.drafters import DrafterRequest
 
 
 class DraftModelDrafter:
@@ -56,3 +60,20 @@ class DraftModelDrafter:
             return grow_tree(root, torch.log_softmax(out.logits[-1], -1), expand, cfg)
         finally:
             m.truncate(base)
+
+
+def build(request: DrafterRequest) -> DraftModelDrafter:
+    """A same-tokenizer model (`request.draft_model`, else the target's `DEFAULT_DRAFT_MODEL`) in the target's
+    weight mode."""
+    from moaspec.drafters import DEFAULT_DRAFT_MODEL
+    from moaspec.models.store import load_tokenizer, resolve
+
+    name = request.draft_model or DEFAULT_DRAFT_MODEL.get(request.model)
+    if name is None:
+        raise UserError(f"--drafter model needs --draft-model NAME for target {request.model!r}")
+    folder = resolve(name)
+    if name != request.model and \
+            load_tokenizer(folder).get_vocab() != load_tokenizer(resolve(request.model)).get_vocab():
+        raise UserError(f"draft model {name!r} does not share the target's tokenizer")
+    t = request.target
+    return DraftModelDrafter(Transformer(folder, weights=t.weights, device=t.device, max_seq_len=t.max_seq_len))

@@ -38,15 +38,11 @@ from moaspec.drafters.trained import (
     TargetBoundDrafter,
     causal_mask,
     check_heads,
-    load_checkpoint,
     pending_mask,
     place_frontier,
     read_checkpoint,
-    read_checkpoint_config,
-    save_checkpoint,
 )
 from moaspec.errors import UserError
-from moaspec.models.parts import TargetParts
 from moaspec.models.runtime import KVCache as TargetCache
 from moaspec.models.runtime import ModelConfig, Transformer, signed_sin
 
@@ -263,18 +259,7 @@ class EagleDrafter(TargetBoundDrafter):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save(drafter: EagleDrafter, folder: str | Path, fp16: bool = False) -> Path:
-    """config.json (kind "eagle", sizes, target name + fingerprint) + model.safetensors (fc, layer, vocab ids)."""
-    return save_checkpoint(drafter, folder, KIND, fp16)
-
-
-def read_config(folder: str | Path) -> EagleConfig:
-    return read_checkpoint_config(folder, KIND, EagleConfig)
-
-
-def load(folder: str | Path, target: TargetParts, target_name: str, fingerprint: str) -> EagleDrafter:
-    """Load a drafter saved by `save` and attach it to `target` (UserError: other target, bad files)."""
-    return load_checkpoint(folder, KIND, EagleDrafter, target, target_name, fingerprint)
+DRAFTER = EagleDrafter  # what `DrafterSpec` saves and loads (drafters/__init__.py)
 
 
 def load_encoder(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> FeatureEncoder:
@@ -293,8 +278,5 @@ __all__ = [
     "EagleConfig",
     "EagleDrafter",
     "FeatureEncoder",
-    "load",
     "param_count",
-    "read_config",
-    "save",
 ]

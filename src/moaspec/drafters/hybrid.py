@@ -39,11 +39,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.drafter import Drafter
 from moaspec.decoding.tree import DraftDist, Tree, TreeConfig, row_cost_ratios
 from moaspec.errors import UserError
+
+if TYPE_CHECKING:
+    from moaspec.drafters import DrafterRequest
 
 POLICIES = ("switch", "merge")  # per round the suffix draft or the model's, or both in one tree
 EXPLORE_EVERY = 16
@@ -359,3 +362,16 @@ def _ema(old: float | None, new: float, keep: float = 0.8) -> float:
 def _label(draft: _Draft) -> str:
     sources = {s for raw in draft.raw[1:] for s in raw}
     return "both" if len(sources) == 2 else (sources.pop() if sources else "none")
+
+
+def build(request: DrafterRequest) -> HybridDrafter:
+    """The suffix drafter (over the request's datastore) + the model drafter `request.hybrid_model`."""
+    from moaspec.drafters import HYBRID_MODELS, build_drafter
+    from moaspec.drafters.suffix import SuffixDrafter, store_for
+
+    if request.hybrid_model not in HYBRID_MODELS:
+        raise UserError(f"the hybrid drafter pairs the suffix drafter with one of {', '.join(HYBRID_MODELS)}; "
+                        f"got {request.hybrid_model!r}")
+    model = build_drafter(request.hybrid_model, request.model, request.target, draft_model=request.draft_model,
+                          drafter_path=request.drafter_path)
+    return HybridDrafter(SuffixDrafter(store=store_for(request)), model, request.hybrid_policy)

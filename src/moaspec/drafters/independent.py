@@ -12,7 +12,6 @@ over tentative cache slots. Only its trainable weights and `vocab_ids` are in th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,14 +24,10 @@ from moaspec.drafters.trained import (
     TargetBoundDrafter,
     causal_mask,
     check_heads,
-    load_checkpoint,
     pending_mask,
     place_frontier,
-    read_checkpoint_config,
-    save_checkpoint,
 )
 from moaspec.errors import UserError
-from moaspec.models.parts import TargetParts
 from moaspec.models.runtime import ModelConfig, signed_sin
 
 KIND = "independent"
@@ -172,18 +167,7 @@ class IndependentDrafter(TargetBoundDrafter):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save(drafter: IndependentDrafter, folder: str | Path, fp16: bool = False) -> Path:
-    """config.json (kind "independent", sizes, target name + fingerprint) + model.safetensors."""
-    return save_checkpoint(drafter, folder, KIND, fp16)
-
-
-def read_config(folder: str | Path) -> IndependentConfig:
-    return read_checkpoint_config(folder, KIND, IndependentConfig)
-
-
-def load(folder: str | Path, target: TargetParts, target_name: str, fingerprint: str) -> IndependentDrafter:
-    """Load a drafter saved by `save` and attach it to `target` (UserError: other target, bad files)."""
-    return load_checkpoint(folder, KIND, IndependentDrafter, target, target_name, fingerprint)
+DRAFTER = IndependentDrafter  # what `DrafterSpec` saves and loads (drafters/__init__.py)
 
 
 def param_count(cfg: IndependentConfig) -> int:
@@ -191,4 +175,4 @@ def param_count(cfg: IndependentConfig) -> int:
     return IndependentDrafter.param_count(cfg)
 
 
-__all__ = ["IndependentConfig", "IndependentDrafter", "load", "param_count", "read_config", "save"]
+__all__ = ["IndependentConfig", "IndependentDrafter", "param_count"]

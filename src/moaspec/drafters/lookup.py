@@ -6,9 +6,12 @@ anything that copies from its context. Several earlier matches become sibling br
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.tree import Tree, TreeConfig
+
+if TYPE_CHECKING:
+    from moaspec.drafters import DrafterRequest
 
 
 class LookupDrafter:
@@ -53,3 +56,7 @@ class LookupDrafter:
             if len(tokens) > 1:
                 break  # the longest matching n-gram wins
         return Tree(tokens, parents)
+
+
+def build(request: DrafterRequest) -> LookupDrafter:
+    return LookupDrafter()

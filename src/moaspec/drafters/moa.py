@@ -47,12 +47,9 @@ from moaspec.drafters.trained import (
     TargetBoundDrafter,
     causal_mask,
     check_heads,
-    load_checkpoint,
     pending_mask,
     place_frontier,
     read_checkpoint,
-    read_checkpoint_config,
-    save_checkpoint,
 )
 from moaspec.errors import UserError
 from moaspec.models.parts import TargetParts
@@ -521,20 +518,7 @@ class MoADrafter(TargetBoundDrafter):
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save(drafter: MoADrafter, folder: str | Path, fp16: bool = False) -> Path:
-    """Write config.json (kind "moa", all sizes, target name + fingerprint) and model.safetensors
-    (trainable weights + vocab ids only; fp16 halves the float tensors)."""
-    return save_checkpoint(drafter, folder, KIND, fp16)
-
-
-def read_config(folder: str | Path) -> MoAConfig:
-    return read_checkpoint_config(folder, KIND, MoAConfig)
-
-
-def load(folder: str | Path, target: TargetParts, target_name: str, fingerprint: str) -> MoADrafter:
-    """Load a drafter saved by `save` and attach it to `target`. UserError for a checkpoint of another
-    target (name, weights fingerprint or dimensions) and for missing or corrupt files."""
-    return load_checkpoint(folder, KIND, MoADrafter, target, target_name, fingerprint)
+DRAFTER = MoADrafter  # what `DrafterSpec` saves and loads (drafters/__init__.py)
 
 
 def load_encoder(folder: str | Path, target: Transformer, target_name: str, fingerprint: str) -> ContextEncoder:
@@ -567,12 +551,9 @@ __all__ = [
     "TrainOut",
     "ca_mask",
     "causal_mask",
-    "load",
     "load_encoder",
     "param_count",
-    "read_config",
     "sa_curriculum_mask",
-    "save",
     "tli_mask",
     "verification_starts",
 ]

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.target import Candidates
 from moaspec.decoding.tree import Tree, TreeConfig
+
+if TYPE_CHECKING:
+    from moaspec.drafters import DrafterRequest
 
 
 class RecyclingDrafter:
@@ -70,3 +73,7 @@ class RecyclingDrafter:
             depths.append(depths[parent] + 1)
             push_children(len(tokens) - 1)
         return Tree(tokens, parents, scores)
+
+
+def build(request: DrafterRequest) -> RecyclingDrafter:
+    return RecyclingDrafter()

@@ -23,11 +23,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from moaspec.decoding.tree import Tree, TreeConfig
+from moaspec.drafters import shipped_checkpoint
 from moaspec.drafters.datastore import Datastore, SuffixDraft
 from moaspec.errors import UserError
+
+if TYPE_CHECKING:
+    from moaspec.drafters import DrafterRequest
 
 
 class _Node:
@@ -285,3 +290,30 @@ class SuffixDrafter:
         self.last = d = self.draft(root, cfg)
         return Tree([root, *d.tokens], [-1, *(p + 1 for p in d.parents)],
                     [0.0, *(math.log(p) for p in d.probs)])
+
+
+@lru_cache(maxsize=4)
+def load_datastore(model: str, datastore: str | None = None) -> Datastore | None:
+    """The datastore (`drafters.datastore`): the one shipped for the target when `datastore` is None (none
+    shipped: no store), none for "none", else the folder given. Read-only once built, so one copy serves every
+    drafter of the process (a folder is read once per process)."""
+    if datastore == "none":
+        return None
+    if datastore is None:
+        folder = shipped_checkpoint("datastore", model)
+        return Datastore.load(folder, model) if folder.exists() else None
+    return Datastore.load(datastore, model)
+
+
+def store_for(request: DrafterRequest) -> Datastore | None:
+    """The datastore a request names, checked against its target's vocabulary."""
+    store = load_datastore(request.model, request.datastore)
+    if store is not None and store.max_token >= request.target.cfg.vocab_size:
+        raise UserError(f"the datastore {request.datastore or '(shipped)'} holds token {store.max_token}, past "
+                        f"{request.model}'s vocabulary of {request.target.cfg.vocab_size}: rebuild it with "
+                        f"`moaspec datastore --model {request.model}`")
+    return store
+
+
+def build(request: DrafterRequest) -> SuffixDrafter:
+    return SuffixDrafter(store=store_for(request))

@@ -40,7 +40,7 @@ from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
 from moaspec.decoding.target import ContextEncoder, LocalTarget, Step
-from moaspec.drafters import TRAINED, shipped_checkpoint
+from moaspec.drafters import TRAINED, drafter_kind, drafter_spec, shipped_checkpoint
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
 from moaspec.models.runtime import KVCache, Transformer
@@ -80,20 +80,15 @@ def load_encoders(model: Transformer, name: str, fingerprint: str,
                   folders: dict[str, Path] | None = None) -> dict[str, ContextEncoder]:
     """The target-side encoders this server offers, by `encoder_id`: the given checkpoint folders
     (label -> folder), or every trained drafter shipped for the target."""
-    import importlib
-
     if folders is None:
         folders = {k: shipped_checkpoint(k, name) for k in TRAINED}
         folders.update({f"moa-n{n}": shipped_checkpoint(f"moa-n{n}", name) for n in (1, 3)})
         folders = {k: f for k, f in folders.items() if (f / "config.json").exists()}
     out: dict[str, ContextEncoder] = {}
     for label, folder in folders.items():
-        kind = label.split("-")[0]
-        module = importlib.import_module(f"moaspec.drafters.{kind}")
-        if not hasattr(module, "load_encoder"):
-            continue  # a drafter that needs token ids only (independent)
-        encoder = module.load_encoder(folder, model, name, fingerprint)
-        out[encoder_id(encoder)] = encoder
+        encoder = drafter_spec(drafter_kind(label)).load_encoder(folder, model, name, fingerprint)
+        if encoder is not None:  # None: a drafter that needs token ids only (independent)
+            out[encoder_id(encoder)] = encoder
     return out
 
 

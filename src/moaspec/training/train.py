@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from moaspec.drafters import eagle, independent, moa
+from moaspec.drafters import SPECS, TRAINED, eagle, independent, moa
 from moaspec.errors import UserError
 from moaspec.files import atomic_write, atomic_write_text
 from moaspec.models.runtime import Transformer
@@ -41,7 +41,7 @@ from moaspec.training import data
 from moaspec.training.features import AnswerFeatures, FeatureCache, compute
 from moaspec.training.stop import StopRequest
 
-KINDS = {"moa": moa, "eagle": eagle, "independent": independent}
+KINDS = {name: SPECS[name] for name in TRAINED}
 
 
 @dataclass
