@@ -75,7 +75,7 @@ def test_openai_api_holds_to_its_schema():
         assert sum(n for c in counts.values() for n in c.values()) >= len(counts)
         assert not any(code.startswith("5") for c in counts.values() for code in c)
         _record("openai_api", counts)
-        assert app.state.api.admission.holders == 0 and app.state.api.admission.used == 0  # nothing held
+        assert app.state.api.gen.admission.holders == 0 and app.state.api.gen.admission.used == 0  # nothing held
     finally:
         run.stop()
         app.state.api.close()

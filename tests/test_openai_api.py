@@ -20,7 +20,8 @@ from servers import Running
 
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.errors import UserError
-from moaspec.serving.openai_api import ApiLimits, Job, check_host, create_app
+from moaspec.serving.api_generation import Job
+from moaspec.serving.openai_api import ApiLimits, check_host, create_app
 
 SMOL = "smollm2-135m"
 KEY = "api-key-123"
@@ -138,7 +139,7 @@ def test_each_chunk_says_who_wrote_its_tokens_and_a_request_picks_drafter_and_we
     assert (spec["drafter"], spec["weights"]) == ("suffix", "fp16")
     # naming the server's own drafter keeps it as the server built it, with its parts
     api = create_app(SpecDecoder(SMOL, drafter="hybrid", hybrid_model="recycling"), SMOL).state.api
-    fork = api._fork(Job(want.prompt_ids, GenerationConfig(), api.weights, "hybrid", pieces=True))
+    fork = api.gen.fork(Job(want.prompt_ids, GenerationConfig(), api.gen.weights, "hybrid", pieces=True))
     assert fork._drafter_args["hybrid_model"] == "recycling" and fork.drafter.model.name == "recycling"
     fork.close()
     api.close()
@@ -266,7 +267,7 @@ def test_request_errors_are_openai_shaped_400s(served, client):
     _error(_post(served, "/completions", {"model": SMOL, "prompt": [10**9]}), 400, param="prompt")
     _error(_post(served, "/completions", {"model": SMOL, "prompt": ["a", "b"]}), 400, param="prompt")
     _error(httpx.get(served[1].url + "/nothing-here", headers={"Authorization": f"Bearer {KEY}"}), 404)
-    assert served[0].stats.requests > 0
+    assert served[0].gen.stats.requests > 0
 
 
 def test_prompt_and_body_bounds(served):
@@ -280,7 +281,7 @@ def test_prompt_and_body_bounds(served):
 
 def test_client_dropping_mid_stream_stops_the_generation(served, client, dec_lookup):
     api = served[0]
-    before, tokens_before = api.stats.cancelled, api.stats.completion_tokens
+    before, tokens_before = api.gen.stats.cancelled, api.gen.stats.completion_tokens
     body = {"model": SMOL, "messages": MESSAGES, "max_tokens": LIMITS.max_tokens, "temperature": 0,
             "stream": True}
     with httpx.stream("POST", served[1].url + "/chat/completions", json=body, timeout=60,
@@ -289,19 +290,19 @@ def test_client_dropping_mid_stream_stops_the_generation(served, client, dec_loo
         got = [line for line, _ in zip(lines, range(6), strict=False) if line]
         assert got and got[0].startswith("data: ")
     for _ in range(100):  # the server notices between two rounds
-        if api.stats.cancelled > before:
+        if api.gen.stats.cancelled > before:
             break
         time.sleep(0.05)
-    assert api.stats.cancelled == before + 1
-    assert api.stats.completion_tokens - tokens_before < LIMITS.max_tokens
+    assert api.gen.stats.cancelled == before + 1
+    assert api.gen.stats.completion_tokens - tokens_before < LIMITS.max_tokens
     # a client that gives up on a plain (not streamed) answer stops it too
     with pytest.raises(httpx.ReadTimeout):
         _post(served, "/chat/completions", {**body, "stream": False}, timeout=0.5)
     for _ in range(100):
-        if api.stats.cancelled > before + 1:
+        if api.gen.stats.cancelled > before + 1:
             break
         time.sleep(0.05)
-    assert api.stats.cancelled == before + 2
+    assert api.gen.stats.cancelled == before + 2
     # and the server (model, lock, drafter state) is fine afterwards
     g = _greedy(dec_lookup, MESSAGES, n=12)
     r = client.chat.completions.create(model=SMOL, messages=MESSAGES, max_tokens=12, temperature=0)
@@ -369,7 +370,7 @@ def test_concurrent_requests_decode_together_and_equal_lone_answers(batched):
 
     for seed in (None, 11):
         lone = [ask(i, seed) for i in range(8)]
-        passes, seqs = api.scheduler.stats.passes, api.scheduler.stats.sequences
+        passes, seqs = api.gen.scheduler.stats.passes, api.gen.scheduler.stats.sequences
         out: list = [None] * 8
         threads = [threading.Thread(target=lambda i=i, o=out, s=seed: o.__setitem__(i, ask(i, s))) for i in range(8)]
         for t in threads:
@@ -377,16 +378,16 @@ def test_concurrent_requests_decode_together_and_equal_lone_answers(batched):
         for t in threads:
             t.join(300)
         assert out == lone, f"seed {seed}: answers changed when decoded together"
-        s = api.scheduler.stats
+        s = api.gen.scheduler.stats
         assert s.sequences - seqs > 1.5 * (s.passes - passes), "requests did not share passes"
-    assert api.admission.holders == 0 and sum(map(len, api.idle.values())) <= 8
+    assert api.gen.admission.holders == 0 and sum(map(len, api.gen.idle.values())) <= 8
     metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "moaspec_batch_sequences_bucket" in metrics and "moaspec_generations_waiting" in metrics
 
 
 def test_full_queue_is_503_with_retry_after(batched):
     api, run = batched
-    admission = api.admission
+    admission = api.gen.admission
     held = admission.holders, admission.max_holders
     admission.max_holders = 0  # no place for anyone now: requests wait, up to max_waiting (4)
     body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
@@ -424,7 +425,7 @@ def test_long_text_is_refused_before_tokenising(served):
     api = served[0]
     body = {"model": SMOL, "messages": [{"role": "user", "content": "x" * 60000}], "max_tokens": 4}
     _error(_post(served, "/chat/completions", body), 400, param="messages", code="context_length_exceeded")
-    assert api._longest_token is not None and 60000 > LIMITS.max_prompt_tokens * api._longest_token
+    assert api.gen._longest_token is not None and 60000 > LIMITS.max_prompt_tokens * api.gen._longest_token
 
 
 def test_open_api_refuses_other_hosts_and_cross_site_posts(dec_lookup):
@@ -829,10 +830,10 @@ def test_other_weight_modes_only_when_offered_and_only_if_memory_holds_them(dec_
     """Found in review: any client could make the server load a full copy of the target per weight mode, never
     freed and not counted by admission. Now only the served mode unless the operator offers more, and a copy the
     free memory cannot hold is a 503."""
-    from moaspec.serving import openai_api
+    from moaspec.serving import api_generation
 
     api = create_app(dec_lookup, SMOL).state.api
-    assert api.weight_modes == ["fp32"]
+    assert api.gen.weight_modes == ["fp32"]
     run = Running(api.app, path="/v1")
     try:
         body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 2, "weights": "fp16"}
@@ -841,15 +842,15 @@ def test_other_weight_modes_only_when_offered_and_only_if_memory_holds_them(dec_
         run.stop()
         api.close()
     api = create_app(dec_lookup, SMOL, limits=ApiLimits(weight_modes=("fp16", "int8"))).state.api
-    assert api.weight_modes[0] == "fp32" and "fp16" in api.weight_modes
-    monkeypatch.setattr(openai_api, "available_memory", lambda: 300 << 20)
+    assert api.gen.weight_modes[0] == "fp32" and "fp16" in api.gen.weight_modes
+    monkeypatch.setattr(api_generation, "available_memory", lambda: 300 << 20)
     run = Running(api.app, path="/v1")
     try:
         body = {"model": SMOL, "messages": MESSAGES, "max_tokens": 2, "weights": "fp16"}
         r = httpx.post(run.url + "/chat/completions", json=body, timeout=30)
         err = _error(r, 503)
         assert "not enough free memory" in err["message"] and r.headers["retry-after"]
-        assert "fp16" not in api.variants
+        assert "fp16" not in api.gen.variants
     finally:
         run.stop()
         api.close()
@@ -863,7 +864,7 @@ def test_a_client_gone_while_queued_gives_its_place_up(batched):
     import socket
 
     api, run = batched
-    admission = api.admission
+    admission = api.gen.admission
     held = admission.max_holders
     admission.max_holders = 0  # nobody runs: every request waits
     body = json.dumps({"model": SMOL, "messages": MESSAGES, "max_tokens": 4}).encode()
@@ -892,9 +893,9 @@ def test_a_conversation_without_tools_is_rendered_as_it_is(served, dec_lookup):
     """Found by the prefix-cache test: the JSON tool format rewrote every earlier assistant turn as
     {"response": ...} even when no tool was in play, so multi-turn answers changed."""
     conv = [*MESSAGES, {"role": "assistant", "content": "Red, green and blue."}, {"role": "user", "content": "Why?"}]
-    from moaspec.serving.openai_api import ChatRequest
+    from moaspec.serving.api_requests import ChatRequest
 
-    ids = served[0]._chat_prompt(ChatRequest(model=SMOL, messages=conv))[0]
+    ids = served[0].gen.chat_prompt(ChatRequest(model=SMOL, messages=conv))[0]
     assert ids == dec_lookup.encode(conv)
 
 

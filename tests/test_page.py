@@ -168,7 +168,7 @@ def test_stop_ends_the_generation_on_the_server(page, served):
     while httpx.get(run.url + "/health").json()["cancelled"] == before and time.time() < deadline:
         time.sleep(0.1)
     assert httpx.get(run.url + "/health").json()["cancelled"] == before + 1
-    assert api.admission.holders == 0  # its place was given back
+    assert api.gen.admission.holders == 0  # its place was given back
     assert page.is_enabled("#send") and not page.is_enabled("#stop")
 
 

@@ -129,7 +129,7 @@ def test_the_api_reports_cached_tokens_and_answers_as_cold(served):
     answers as a server without a prefix cache would give (the decoder cold), the hit rate on /metrics."""
     api, run = served
     client = OpenAI(base_url=run.url, api_key=KEY, max_retries=0, timeout=300)
-    cold = SpecDecoder(SMOL, drafter="suffix", weights=api.weights, tree="adaptive:4", warmup=False)
+    cold = SpecDecoder(SMOL, drafter="suffix", weights=api.gen.weights, tree="adaptive:4", warmup=False)
     conv = [{"role": "system", "content": SYSTEM}]
     for i, q in enumerate(TURNS):
         conv.append({"role": "user", "content": q})
@@ -166,7 +166,7 @@ def test_a_shared_system_prompt_is_reused_by_concurrent_sessions_within_the_budg
         for t in threads:
             t.join(300)
         rounds.append(out)
-        assert api.prefix.nbytes <= api.prefix.budget
+        assert api.gen.prefix.nbytes <= api.gen.prefix.budget
     assert [a for a, _ in rounds[0]] == [a for a, _ in rounds[1]]
     assert all(c >= 100 for _, c in rounds[1]), rounds[1]
 
@@ -204,12 +204,12 @@ def test_64_clients_keep_the_cache_within_its_budget_and_every_answer_right():
                                                              max_waiting=64, cache_ram_mb=48))
     api, run = app.state.api, Running(app, path="/v1")
     client = OpenAI(base_url=run.url, api_key=KEY, max_retries=2, timeout=600)
-    lone = SpecDecoder(SMOL, drafter="none", weights=api.weights, warmup=False)
+    lone = SpecDecoder(SMOL, drafter="none", weights=api.gen.weights, warmup=False)
     peak, stop, alone = [0], threading.Event(), threading.Lock()
 
     def watch() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], api.prefix.nbytes)
+            peak[0] = max(peak[0], api.gen.prefix.nbytes)
             stop.wait(0.05)
 
     def converse(c: int, wrong: list) -> None:
@@ -248,4 +248,4 @@ def test_64_clients_keep_the_cache_within_its_budget_and_every_answer_right():
         run.stop()
         api.close()
     assert not wrong, wrong
-    assert 0 < peak[0] <= api.prefix.budget and api.prefix.evictions > 0 and api.prefix.hits > 0
+    assert 0 < peak[0] <= api.gen.prefix.budget and api.gen.prefix.evictions > 0 and api.gen.prefix.hits > 0

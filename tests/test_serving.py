@@ -524,7 +524,7 @@ def test_a_client_refuses_a_server_with_other_weights(served):
 
 
 def test_text_the_target_never_verified_is_counted_and_marked(served):
-    from moaspec.serving.openai_api import OpenAIServer
+    from moaspec.serving.api_generation import usage_body
 
     _, run = served
     cfg = GenerationConfig(max_new_tokens=40, reconnect_timeout_s=0.5)
@@ -542,7 +542,7 @@ def test_text_the_target_never_verified_is_counted_and_marked(served):
         assert 0 < m.unverified_in_output <= m.unverified_tokens and len(tokens) <= 40
         # the text the target never verified is labelled so, and no pending piece is left shown
         assert last.retract > 0 and [o for _, o in last.pieces].count("unverified") == m.unverified_in_output
-        usage = OpenAIServer._usage(None, len(ids), len(tokens), m, {"drafter": "moa", "weights": "fp32"})
+        usage = usage_body(len(ids), len(tokens), m, {"drafter": "moa", "weights": "fp32"})
         assert usage.unverified_tokens == m.unverified_in_output  # the API writes it into `usage`
         client.remote.shutdown()
 

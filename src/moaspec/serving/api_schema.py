@@ -1,7 +1,7 @@
 """The OpenAI-compatible API's response bodies as typed models, and its OpenAPI document.
 
 The handlers build their JSON answers from these models, and `/openapi.json` is generated from them and
-from the request models (`openai_api.ChatRequest`, `CompletionRequest`), narrowed to what this server
+from the request models (`api_requests.ChatRequest`, `CompletionRequest`), narrowed to what this server
 takes (its one model name, its max_tokens bound): the schema is what the handlers accept and answer, so a
 schema-driven fuzzer (schemathesis) can hold the server to it.
 """
