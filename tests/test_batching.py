@@ -24,11 +24,11 @@ from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig
 from moaspec.drafters import build_drafter
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
+from moaspec.link.protocol import ENDPOINT, Limits, pack, unpack
+from moaspec.link.remote import RemoteTarget
 from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Rows, Transformer
 from moaspec.models.store import weights_fingerprint
-from moaspec.serving.protocol import ENDPOINT, Limits, pack, unpack
-from moaspec.serving.remote import RemoteTarget
 from moaspec.serving.target_server import TargetServer, load_encoders
 
 SMOL = "smollm2-135m"
@@ -328,8 +328,8 @@ def test_cli_generates_a_jsonl_file_of_prompts(tmp_path, capsys):
 def test_admission_is_fifo_bounded_and_gives_back_what_leaves():
     import asyncio
 
+    from moaspec.link.protocol import Busy, ProtocolError
     from moaspec.serving.admission import Admission
-    from moaspec.serving.protocol import Busy, ProtocolError
 
     async def scenario():
         a = Admission(budget=100, max_waiting=2, max_holders=3)

@@ -27,10 +27,10 @@ from servers import Running
 from websockets.sync.client import connect
 
 from moaspec.decoding.engine import GenerationConfig
+from moaspec.link.protocol import ENDPOINT, Limits, pack, unpack
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import weights_fingerprint
 from moaspec.serving.openai_api import ApiLimits, create_app
-from moaspec.serving.protocol import ENDPOINT, Limits, pack, unpack
 from moaspec.serving.target_server import TargetServer, load_encoders
 
 SMOL = "smollm2-135m"

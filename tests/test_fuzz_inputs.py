@@ -22,8 +22,8 @@ from moaspec.decoding.engine import GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.tree import TreeConfig
 from moaspec.errors import UserError
+from moaspec.link.protocol import Limits
 from moaspec.serving.openai_api import ApiLimits
-from moaspec.serving.protocol import Limits
 
 SMOL = "smollm2-135m"
 EXAMPLES = int(os.environ.get("MOASPEC_FUZZ_EXAMPLES", "25"))

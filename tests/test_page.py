@@ -20,11 +20,11 @@ from servers import Running
 
 from experiments.shaping import ShapingProxy
 from moaspec.decoding.engine import GenerationConfig
+from moaspec.link.protocol import Limits
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import weights_fingerprint
 from moaspec.pipeline import SpecDecoder
 from moaspec.serving.openai_api import ApiLimits, create_app
-from moaspec.serving.protocol import Limits
 from moaspec.serving.target_server import TargetServer, load_encoders
 
 SMOL = "smollm2-135m"

@@ -32,12 +32,12 @@ from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters.moa import MoAContext
 from moaspec.errors import UserError
+from moaspec.link.protocol import ENDPOINT, Busy, Limits, pack, unpack
+from moaspec.link.remote import RemoteTarget, TargetUnavailable
 from moaspec.models.parts import PartialTarget
 from moaspec.models.runtime import Transformer
 from moaspec.models.store import weights_fingerprint
 from moaspec.pipeline import SpecDecoder
-from moaspec.serving.protocol import ENDPOINT, Busy, Limits, pack, unpack
-from moaspec.serving.remote import RemoteTarget, TargetUnavailable
 from moaspec.serving.target_server import TargetServer, load_encoders
 
 SMOL = "smollm2-135m"
@@ -428,7 +428,7 @@ def test_remote_target_runs_the_engine_exactly_as_local(served, drafter, tempera
 
 
 def test_token_file_reading(tmp_path, monkeypatch):
-    from moaspec.serving.remote import read_token
+    from moaspec.link.remote import read_token
 
     f = tmp_path / "token"
     f.write_text("  s3cret  \nignored\n")

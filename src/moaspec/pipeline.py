@@ -42,7 +42,7 @@ UNVERIFIED = "unverified"  # a `Delta.pieces` origin: written by the drafter alo
 
 if TYPE_CHECKING:
     from moaspec.decoding.scheduler import Scheduler
-    from moaspec.serving.remote import RemoteTarget
+    from moaspec.link.remote import RemoteTarget
 
 
 def plausible_costs(costs: dict[int, float], clamp: bool = False) -> dict[int, float]:
@@ -155,7 +155,7 @@ class SpecDecoder:
             self.target: Transformer | PartialTarget = Transformer(self.folder, weights=weights, device=device,
                                                                    max_seq_len=max_seq_len)
         else:
-            from moaspec.serving.remote import read_token
+            from moaspec.link.remote import read_token
 
             self.target = PartialTarget(self.folder, weights=weights, device=device, max_seq_len=max_seq_len)
             self._remote_args["token"] = token = token or read_token()
@@ -170,7 +170,7 @@ class SpecDecoder:
         self.load_s = time.perf_counter() - t
 
     def _connect(self) -> RemoteTarget:
-        from moaspec.serving.remote import RemoteTarget, client_tls
+        from moaspec.link.remote import RemoteTarget, client_tls
 
         a = self._remote_args
         return RemoteTarget(a["url"], a["token"], wire=a["wire"], timeout_s=a["timeout_s"],

@@ -206,7 +206,7 @@ def decoder_settings(args: argparse.Namespace, tree: TreeConfig | str) -> dict[s
     """The `SpecDecoder` the model and drafter options describe, as its keyword arguments."""
     token = None
     if args.target:
-        from moaspec.serving.remote import read_token
+        from moaspec.link.remote import read_token
 
         token = read_token(args.token_file)
     return dict(model=args.model, drafter=args.drafter, draft_model=args.draft_model, drafter_path=args.drafter_path,

@@ -20,10 +20,10 @@ from moaspec.cli.options import (
 )
 from moaspec.errors import UserError
 from moaspec.flags import add_flags, from_flags
+from moaspec.link.protocol import Limits
 from moaspec.models.linear import WEIGHT_CHOICES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
 from moaspec.serving.openai_api import API_KEY_ENV, ApiLimits
-from moaspec.serving.protocol import Limits
 from moaspec.serving.runner import ConnectionLimits
 
 
@@ -108,8 +108,8 @@ def _drafter_paths(items: list[str]) -> dict[str, Path] | None:
 
 
 def cmd_serve_target(args: argparse.Namespace) -> int:
+    from moaspec.link.remote import read_tokens
     from moaspec.serving import target_server
-    from moaspec.serving.remote import read_tokens
 
     tls = _tls(args)
     check_model_name(args.model)
@@ -131,7 +131,7 @@ def cmd_serve_target(args: argparse.Namespace) -> int:
 
 def _api_key(args: argparse.Namespace) -> str | None:
     """The API's own key, apart from the --target server's token (API clients must not learn that one)."""
-    from moaspec.serving.remote import read_token
+    from moaspec.link.remote import read_token
 
     if args.api_token_file:
         return read_token(args.api_token_file)

@@ -1,7 +1,7 @@
 """The target side of the engine: where the big model, its KV cache and verification live.
 
 The engine talks to it through `TargetSide`; `LocalTarget` runs the runtime in-process, and
-`serving.remote.RemoteTarget` makes the same calls over the network. Only token ids, parents,
+`link.remote.RemoteTarget` makes the same calls over the network. Only token ids, parents,
 verdicts and per-token context for the drafter (`decoding.context`) cross this seam, never logits or
 the target's KV cache.
 """

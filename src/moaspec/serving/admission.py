@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from moaspec.serving.protocol import Busy, ProtocolError
+from moaspec.link.protocol import Busy, ProtocolError
 
 
 class Admission:

@@ -26,6 +26,7 @@ from moaspec.decoding.sampling import SamplingParams
 from moaspec.decoding.scheduler import Scheduler
 from moaspec.drafters import ready_drafters
 from moaspec.errors import UserError
+from moaspec.link.protocol import Busy
 from moaspec.models.linear import QUANTISED
 from moaspec.serving import api_schema as S
 from moaspec.serving.admission import Admission
@@ -38,7 +39,6 @@ from moaspec.serving.api_requests import (
     generation_error,
 )
 from moaspec.serving.metrics import Rate, ServerCollector, prefix_gauges, registry
-from moaspec.serving.protocol import Busy
 from moaspec.serving.runner import in_worker
 from moaspec.serving.tool_calls import ToolFormat, check_tools, tool_format
 

@@ -18,9 +18,9 @@ from moaspec.decoding.target import MAX_TOP_LOGPROBS
 from moaspec.decoding.tree import MAX_TREE_TOKENS
 from moaspec.errors import ContextLengthError, UserError
 from moaspec.flags import flagged
+from moaspec.link.protocol import Busy
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.runtime import PREFILL_CHUNK
-from moaspec.serving.protocol import Busy
 from moaspec.serving.tool_calls import MAX_TOOLS
 
 log = logging.getLogger("moaspec.api")
@@ -114,7 +114,7 @@ def validation_error(e: ValidationError) -> ApiError:
 
 def generation_error(e: Exception) -> ApiError:
     """An error raised while preparing or running a generation."""
-    from moaspec.serving.remote import TargetUnavailable
+    from moaspec.link.remote import TargetUnavailable
 
     if isinstance(e, Busy):
         return busy(int(max(1, e.retry_after)), str(e))

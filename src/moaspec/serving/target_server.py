@@ -12,7 +12,7 @@ all sessions into one forward pass (continuous batching; each session's logits a
 alone, so batching changes no token). A generation reserves the KV memory its prompt and
 max_new_tokens can fill (`Admission`); one that does not fit waits in a bounded queue and hears so
 ("queued"), past that it is told to retry ("busy"), never refused for good. Every message is checked
-(`serving.protocol`) and bounded (`Limits`); a bad one gets an error frame, never a crash; a client can
+(`link.protocol`) and bounded (`Limits`); a bad one gets an error frame, never a crash; a client can
 only reach its own session, since a session is its connection.
 """
 
@@ -43,10 +43,7 @@ from moaspec.decoding.target import ContextEncoder, LocalTarget, Step
 from moaspec.drafters import TRAINED, drafter_kind, drafter_spec, shipped_checkpoint
 from moaspec.drafters.trained import encoder_id
 from moaspec.errors import UserError
-from moaspec.models.runtime import KVCache, Transformer
-from moaspec.serving.admission import Admission
-from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
-from moaspec.serving.protocol import (
+from moaspec.link.protocol import (
     ENDPOINT,
     Busy,
     Limits,
@@ -57,6 +54,9 @@ from moaspec.serving.protocol import (
     tree_from_wire,
     unpack,
 )
+from moaspec.models.runtime import KVCache, Transformer
+from moaspec.serving.admission import Admission
+from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
 from moaspec.serving.runner import ConnectionLimits, in_worker, warn_exposure
 from moaspec.serving.runner import serve as run
 

@@ -25,7 +25,7 @@ from moaspec.decoding.target import Step, TargetUnavailable
 from moaspec.decoding.tree import Tree
 from moaspec.decoding.verify import Verdict
 from moaspec.errors import UserError
-from moaspec.serving.protocol import ENDPOINT, Busy, pack, sampling_to_wire, tree_to_wire, unpack
+from moaspec.link.protocol import ENDPOINT, Busy, pack, sampling_to_wire, tree_to_wire, unpack
 
 TOKEN_ENV = "MOASPEC_TOKEN"
 
