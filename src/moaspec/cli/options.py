@@ -142,7 +142,7 @@ def tree_config(args: argparse.Namespace) -> TreeConfig | str:
     if args.adaptive:
         if "total_tokens" in given:
             raise UserError("--adaptive drafts --topk tokens at each of up to --depth levels: drop --total-tokens")
-        return TreeConfig.parse(f"adaptive:{given.get('depth', ADAPTIVE_MAX_DEPTH)}x{given.get('topk', 1)}@{min_prob}")
+        return TreeConfig.adaptive_tree(given.get("depth", ADAPTIVE_MAX_DEPTH), given.get("topk", 1), min_prob)
     if not given:
         return f"auto@{min_prob}" if min_prob else "auto"
     given["min_prob"] = min_prob

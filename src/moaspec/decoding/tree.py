@@ -57,6 +57,7 @@ class DraftSampling:
 # tokens; the adaptive chain defaults to 8) while keeping one call's work small and predictable.
 MAX_DEPTH = 32  # draft steps: each is a sequential drafter call
 MAX_TOPK = 64  # children per expanded node: each step scores topk x topk candidates
+ADAPTIVE_MAX_DEPTH = 8  # levels of an adaptive chain unless given
 MAX_TREE_TOKENS = 256  # draft tokens per target pass (its rows, the root aside)
 
 
@@ -108,15 +109,19 @@ class TreeConfig:
                 if spec and not spec.startswith(":"):
                     raise ValueError(spec)
                 depth_text, x, width_text = spec[1:].partition("x")
-                depth, width = int(depth_text or ADAPTIVE_MAX_DEPTH), int(width_text) if x else 1
-                if not 1 <= width <= MAX_TOPK or not 1 <= depth <= MAX_DEPTH:
-                    raise UserError(f"an adaptive tree is 1 to {MAX_DEPTH} levels of 1 to {MAX_TOPK} tokens, "
-                                    f"got {text!r}")
-                return cls(depth, width, depth * width, adaptive=True, min_prob=min_prob)
+                return cls.adaptive_tree(int(depth_text or ADAPTIVE_MAX_DEPTH), int(width_text) if x else 1, min_prob)
             return cls(*map(int, shape.split(",")), min_prob=min_prob)
         except (TypeError, ValueError):
             raise UserError(f"a tree is written depth,topk,total (e.g. 3,1,3) or adaptive[:max depth[xwidth]] (e.g. "
                             f"adaptive:4x2), optionally with @min_prob (e.g. adaptive@0.2); got {text!r}") from None
+
+    @classmethod
+    def adaptive_tree(cls, depth: int = ADAPTIVE_MAX_DEPTH, width: int = 1, min_prob: float = 0.0) -> TreeConfig:
+        """Up to `depth` levels of `width` tokens, the depth chosen per call (`AdaptiveChain`)."""
+        if not 1 <= width <= MAX_TOPK or not 1 <= depth <= MAX_DEPTH:
+            raise UserError(f"an adaptive tree is 1 to {MAX_DEPTH} levels of 1 to {MAX_TOPK} tokens, got {depth} "
+                            f"levels of {width}")
+        return cls(depth, width, depth * width, adaptive=True, min_prob=min_prob)
 
     def label(self) -> str:
         if self.adaptive:
@@ -152,9 +157,6 @@ class SampledTreeConfig(TreeConfig):
     tree is then verified as drafted, which is exact too."""
 
     sampling: DraftSampling
-
-
-ADAPTIVE_MAX_DEPTH = 8
 
 
 PAPER_GPU_TREE = TreeConfig(depth=6, topk=8, total_tokens=62)
