@@ -14,14 +14,12 @@ import os
 import sys
 
 from moaspec.cli import bench, generate, models, serve, training
-from moaspec.cli.options import generation_config, load_decoder, tree_config
+from moaspec.cli.options import EXIT_INTERRUPT, EXIT_USAGE, error, generation_config, load_decoder, tree_config
 from moaspec.errors import UserError
 from moaspec.threads import set_threads
 
 __all__ = ["build_parser", "generation_config", "load_decoder", "main", "tree_config"]
 
-EXIT_USAGE = 2
-EXIT_INTERRUPT = 130
 GROUPS = (generate, serve, training, bench, models)
 
 
@@ -53,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except (_UsageError, UserError) as e:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
-        generate.error(e)
+        error(e)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPT
@@ -65,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise
         # a full disk (or a file size limit) mid-write: every file is written aside first, nothing is half-written
-        generate.error(UserError(f"could not write {e.filename or 'a file'}: {e.strerror}; free some space and run "
-                                 "the same command again: it resumes from what was written whole"))
+        error(UserError(f"could not write {e.filename or 'a file'}: {e.strerror}; free some space and run the same "
+                        "command again: it resumes from what was written whole"))
         return 1
     except SystemExit as e:  # --help / --version from argparse
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -9,12 +9,19 @@ import sys
 from pathlib import Path
 
 from moaspec.cli import options
-from moaspec.cli.options import add_model_args, add_sampling_args, check_models, generation_config, tree_config, utf8
+from moaspec.cli.options import (
+    EXIT_USAGE,
+    add_model_args,
+    add_sampling_args,
+    check_models,
+    error,
+    generation_config,
+    tree_config,
+    utf8,
+)
 from moaspec.decoding.engine import GenerationConfig
 from moaspec.drafters import DEFAULT_DRAFT_MODEL
 from moaspec.errors import UserError
-
-EXIT_USAGE = 2
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -39,10 +46,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_model_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
-
-
-def error(message: object) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

@@ -7,10 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from moaspec.cli.options import EXIT_USAGE
 from moaspec.errors import UserError
 from moaspec.models.store import DEFAULT_MODEL, MODELS
-
-EXIT_USAGE = 2
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

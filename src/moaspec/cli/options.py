@@ -22,12 +22,18 @@ from moaspec.models.linear import WEIGHT_CHOICES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
 from moaspec.threads import MAX_THREADS
 
+EXIT_USAGE = 2  # a mistake the user can fix (its message on stderr)
+EXIT_INTERRUPT = 130  # Ctrl-C, or a signal that stopped a long job at a safe point (the same command resumes)
 THREADS_DEFAULT = os.environ.get("MOASPEC_THREADS", "auto")
 TREE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeConfig) if f.name not in ("adaptive", "min_prob")}
 WEIGHTS_HELP = ("weight storage of the linear layers: auto = the fastest mode at the model's own quality (a GGUF's own "
                 "block formats, gguf; for float weights int4 where they lie on its grid, else int8; fp16 where the "
                 "compiled kernels cannot run); fp32 the exact reference; fp16, int8, int4[-gGROUP] "
                 "(see docs/results.md)")
+
+
+def error(message: object) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def threads(value: str) -> int | str:

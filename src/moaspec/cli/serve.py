@@ -71,7 +71,8 @@ def _add_server_args(p: argparse.ArgumentParser, limits: type) -> None:
 
 
 def _tls(args: argparse.Namespace) -> dict[str, str]:
-    """uvicorn's TLS settings from --ssl-certfile/--ssl-keyfile (both or neither, readable)."""
+    """uvicorn's TLS settings from --ssl-certfile/--ssl-keyfile (both or neither, readable), --port checked
+    first."""
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
@@ -139,7 +140,6 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from moaspec.pipeline import SpecDecoder
     from moaspec.serving import openai_api
 
     tls = _tls(args)
@@ -152,9 +152,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = decoder_settings(args, tree)
     if args.replicas:
         return _scale_out(args, functools.partial(openai_api.build_app, settings, key, limits), "api")
-    dec = SpecDecoder(**settings)
-    app = openai_api.create_app(dec, args.model, token=key, limits=limits, drafter=dec.drafter_name,
-                                scheduler_thread=False)
+    app = openai_api.build_app(settings, key, limits, scheduler_thread=False)
+    dec = app.state.api.gen.dec
     together = f"up to {limits.parallel} requests together"
     if dec.remote is None and not dec.target.batch_invariant():
         together += " (fp32 is not batch-invariant: their passes run one after another; --weights fp16/int8/int4 " \

@@ -7,13 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from moaspec.cli.options import check_model_name, csv
+from moaspec.cli.options import EXIT_INTERRUPT, check_model_name, csv
 from moaspec.errors import UserError
 from moaspec.models.linear import WEIGHT_MODES
 from moaspec.models.store import DEFAULT_MODEL, MODELS
 from moaspec.training.data import ENGINES as DATA_ENGINES
-
-EXIT_INTERRUPT = 130  # stopped by a signal at a safe point, saved: the same command resumes
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

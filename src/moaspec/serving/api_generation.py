@@ -103,7 +103,6 @@ class Stats:
     completion_tokens: int = 0
 
 
-
 class Generations:
     """A `SpecDecoder` serving many generations at once, under `limits`."""
 
@@ -111,8 +110,8 @@ class Generations:
                  scheduler_thread: bool = True):
         """`drafter`: the server's drafter's name in answers (default: the drafter's own); `scheduler_thread`: as
         `TargetServer`'s."""
-        self.dec, self.model_name, self.limits, self.drafter = dec, model_name, limits, drafter
-        lim = limits
+        self.dec, self.model_name, self.drafter = dec, model_name, drafter
+        self.limits = lim = limits
         self.stats = Stats()
         # a local target's passes, batched over the concurrent generations (a remote one batches on its server)
         self.scheduler = Scheduler(dec.target, lim.max_batch_rows, lim.gather_ms, own_thread=scheduler_thread) \
@@ -176,6 +175,10 @@ class Generations:
     def context(self) -> int:
         return self.dec.engine.target.max_seq_len
 
+    def prompt_bound(self) -> int:
+        """The most prompt tokens a request may send: the limit, and room for one token in the context."""
+        return min(self.limits.max_prompt_tokens, self.context() - 1)
+
     def prepare(self, req: _Request) -> Job:
         """Token ids of the prompt and the generation settings, checked against the limits (runs in the
         worker thread, under the lock: the tokenizer is not shared across threads)."""
@@ -200,8 +203,7 @@ class Generations:
                 if any(not 0 <= t < vocab for t in prompt):
                     raise ApiError(400, f"prompt token ids must be in 0..{vocab - 1}.", param="prompt")
                 ids = list(prompt)
-        context = self.context()
-        bound = min(self.limits.max_prompt_tokens, context - 1)
+        context, bound = self.context(), self.prompt_bound()
         if len(ids) > bound:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {bound}.",
                            param=param, code="context_length_exceeded")
@@ -298,7 +300,7 @@ class Generations:
     def _check_text_length(self, req: _Request, param: str) -> None:
         """Refuse, before tokenising it, text that cannot fit: more characters than the longest token has,
         times the prompt bound (so a 4 MiB body costs no tokenizer time)."""
-        bound = min(self.limits.max_prompt_tokens, self.context() - 1)
+        bound = self.prompt_bound()
         if isinstance(req, ChatRequest):
             if len(req.messages) > bound:  # each message adds at least a token of its template's markers
                 raise ApiError(400, f"the conversation has {len(req.messages)} messages, more than the {bound} tokens "
@@ -309,7 +311,6 @@ class Generations:
         else:
             prompt = req.prompt
             chars = len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
-        bound = min(self.limits.max_prompt_tokens, self.context() - 1)
         if chars > bound * self.longest():
             raise ApiError(400, f"the prompt has {chars} characters, more than {bound} tokens can hold; this server "
                            f"takes at most {bound} tokens.", param=param, code="context_length_exceeded")

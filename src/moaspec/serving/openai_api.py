@@ -236,7 +236,7 @@ class OpenAIServer:
         text = req.prompt if req.prompt is not None else req.content
         if (text is None) == (req.messages is None):
             raise ApiError(400, "give one of prompt (or content) and messages.", param="prompt")
-        bound = min(self.limits.max_prompt_tokens, self.gen.context() - 1)
+        bound = self.gen.prompt_bound()
         if text is not None and len(text) > bound * self.gen.longest():
             raise ApiError(400, f"the prompt is longer than {bound} tokens can hold.", param="prompt",
                            code="context_length_exceeded")
