@@ -14,7 +14,6 @@ import argparse
 import json
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moaspec.decoding.engine import GenerationConfig
@@ -23,7 +22,6 @@ from moaspec.decoding.scheduler import Scheduler
 from moaspec.decoding.tree import TreeConfig
 from moaspec.pipeline import SpecDecoder
 from moaspec.tasks import TASKS, load_tasks
-from moaspec.threads import one_thread
 
 TREES = ("adaptive:4", "3,2,6", "4,1,4", "adaptive:3x2")
 
@@ -50,7 +48,6 @@ def run(model: str, weights: str, n_prompts: int, drafters: list[str], temperatu
     mismatches: list[dict] = []
 
     def job(k: int) -> None:
-        one_thread()
         i, drafter, temperature, tree = jobs[k]
         fork = idle.pop()
         try:
@@ -67,11 +64,15 @@ def run(model: str, weights: str, n_prompts: int, drafters: list[str], temperatu
             idle.append(fork)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(parallel, thread_name_prefix="lossless") as pool:
-        pending = [pool.submit(job, k) for k in range(len(jobs))]
-        while any(not f.done() for f in pending):
-            scheduler.step(timeout_s=0.01)
-        for f in pending:
+    pending: list = []
+    started = 0
+    while started < len(jobs) or pending:  # each job a slot of the scheduler's loop, `parallel` at once
+        while started < len(jobs) and len(pending) < parallel:
+            pending.append(scheduler.call(job, started))
+            started += 1
+        scheduler.step(timeout_s=0.01)
+        for f in [f for f in pending if f.done()]:
+            pending.remove(f)
             f.result()
     batched_s = time.perf_counter() - t0
     for fork in forks:

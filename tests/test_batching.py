@@ -18,7 +18,7 @@ from websockets.sync.client import connect
 
 from moaspec.decoding.engine import Engine, GenerationConfig
 from moaspec.decoding.sampling import SamplingParams
-from moaspec.decoding.scheduler import Scheduler
+from moaspec.decoding.scheduler import Scheduler, pause
 from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import AdaptiveChain, Tree, TreeConfig
 from moaspec.drafters import build_drafter
@@ -105,17 +105,13 @@ def test_scheduler_batches_sessions_and_keeps_them_exact(int8_model, smol_tokeni
     lone = [Engine(LocalTarget(int8_model, cache=int8_model.new_cache(256))).stream(p, cfg) for p in prompts]
     want = [[t for c in it for t in c.tokens] for it in lone]
     sched = Scheduler(int8_model, max_rows=128, gather_ms=20)
-    got: list[list[int] | None] = [None] * len(prompts)
 
-    def run(i: int) -> None:
+    def run(i: int) -> list[int]:  # a slot of the scheduler's loop
         engine = Engine(LocalTarget(int8_model, cache=int8_model.new_cache(256), scheduler=sched))
-        got[i] = [t for c in engine.stream(prompts[i], cfg) for t in c.tokens]
+        return [t for c in engine.stream(prompts[i], cfg) for t in c.tokens]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    futures = [sched.call(run, i) for i in range(len(prompts))]
+    got = [f.result(timeout=300) for f in futures]
     sched.close()
     assert got == want
     s = sched.stats
@@ -126,13 +122,63 @@ def test_scheduler_batches_sessions_and_keeps_them_exact(int8_model, smol_tokeni
 def test_scheduler_bounds_rows_per_pass(int8_model):
     sched = Scheduler(int8_model, max_rows=64, gather_ms=0)
     caches = [int8_model.new_cache(256) for _ in range(3)]
-    futures = [sched.submit(Rows(torch.arange(100, 150), c), c) for c in caches]  # 3 x 50 rows
+    futures = [sched.call(sched.run, Rows(torch.arange(100, 150), c), c) for c in caches]  # 3 slots x 50 rows
     outs = [f.result(timeout=60) for f in futures]
     sched.close()
     assert all(o.logits.shape[0] == 50 for o in outs)
     assert sum(c for b, c in sched.stats.rows_per_pass.items() if b > 64) == 0  # never two of them at once
     with pytest.raises(Exception, match="at most 64"):
-        Scheduler(int8_model, max_rows=64).submit(Rows(torch.arange(100, 200), caches[0]), caches[0])
+        Scheduler(int8_model, max_rows=64).run(Rows(torch.arange(100, 200), caches[0]), caches[0])
+
+
+def test_closing_the_loop_unwinds_its_parked_slots(int8_model):
+    """A slot parked on its pass when the loop stops gets the reason where it waits and unwinds (its `finally`
+    runs: a generation gives its place back), instead of waiting forever; rows from outside a slot are refused."""
+    sched = Scheduler(int8_model, gather_ms=0, own_thread=False)
+    cache = int8_model.new_cache(64)
+    with pytest.raises(RuntimeError, match="Scheduler.call"):
+        sched.run(Rows(torch.tensor([1]), cache), 1)
+    unwound = []
+
+    def generation() -> None:
+        try:
+            sched.run(Rows(torch.tensor([1, 2]), cache), 1)
+            sched.run(Rows(torch.tensor([3]), cache), 1)  # parked here when the loop stops
+        finally:
+            unwound.append(True)
+
+    done = sched.call(generation)
+    sched.step(timeout_s=5)  # starts the slot, runs its first pass; it parks on the second
+    assert not done.done() and sched.queued == 1 and sched.stats.passes == 1
+    sched.close()
+    with pytest.raises(UserError, match="shut down"):
+        done.result(0)
+    assert unwound == [True]
+    assert torch.is_grad_enabled()  # the slot's unwinding left this thread's grad mode as it found it
+
+
+def test_a_slot_that_pauses_lets_the_others_pass_first(int8_model):
+    """Long work between two passes (a drafter taking in a prompt) pauses between pieces: each pause lets the
+    loop run one pass for the other slots, as a thread of its own would not have stalled them."""
+    sched = Scheduler(int8_model, gather_ms=0, own_thread=False)
+    cache = int8_model.new_cache(64)
+    order = []
+
+    def long_work() -> None:
+        for piece in range(3):
+            order.append(f"work {piece}")
+            pause()
+
+    def generation() -> None:
+        for i in range(3):
+            sched.run(Rows(torch.tensor([1]), cache), 2)
+            order.append(f"pass {i}")
+
+    jobs = [sched.call(long_work), sched.call(generation)]
+    while not all(j.done() for j in jobs):
+        sched.step(timeout_s=5)
+    sched.close()
+    assert order == ["work 0", "pass 0", "work 1", "pass 1", "work 2", "pass 2"]
 
 
 # ----------------------------------------------------------------------------- the target server
@@ -444,16 +490,16 @@ def test_a_scheduler_whose_loop_dies_fails_its_requests_and_its_health_check(smo
     sched = Scheduler(model, gather_ms=0)
     sched.check_health()
     cache = model.new_cache(64)
-    assert sched.run(Rows(torch.tensor([1, 2, 3]), cache), owner=1).logits.shape[0] == 3
+    assert sched.call(sched.run, Rows(torch.tensor([1, 2, 3]), cache), 1).result(60).logits.shape[0] == 3
 
     def broken(batch):
         raise MemoryError("pretend the pass ran out of memory in the loop")
 
     sched._pass = broken
     with pytest.raises(UserError, match="MemoryError"):
-        sched.run(Rows(torch.tensor([4]), cache), owner=1)
+        sched.call(sched.run, Rows(torch.tensor([4]), cache), 1).result(60)
     with pytest.raises(UserError, match="scheduler stopped"):
-        sched.run(Rows(torch.tensor([5]), cache), owner=1)  # at once, not after a pass that never comes
+        sched.call(sched.run, Rows(torch.tensor([5]), cache), 1)  # at once, not after a pass that never comes
     with pytest.raises(RuntimeError, match="MemoryError"):
         sched.check_health()
     replica = Replica()

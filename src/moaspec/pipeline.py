@@ -474,16 +474,17 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
                   cfg: GenerationConfig | list[GenerationConfig] | None = None, chat: bool = True,
                   parallel: int = 8, recorders: Callable[[int], Recorder] | None = None,
                   ) -> Iterator[tuple[int, Generation | Exception]]:
-    """Generate for many prompts together: up to `parallel` at once, each on its own fork of `dec` in a
-    thread of its own, their target passes batched by one scheduler that runs on this thread (the one that
-    loaded the model, see `decoding.scheduler`); each answer is identical to a lone run's. `cfg`: one for
-    all, or one per prompt. `recorders(i)`: a `Recorder` that sees the target's state for every position
-    of prompt i and its answer, from the passes that wrote the answer (a local target with no drafter).
-    Yields (index, generation, or the error of that prompt alone) as each finishes."""
+    """Generate for many prompts together: up to `parallel` at once, each on its own fork of `dec`, their
+    target passes batched by one scheduler whose loop runs on this thread (the one that loaded the model, see
+    `decoding.scheduler`), each generation a slot of it; each answer is identical to a lone run's. A remote
+    target's generations run in threads of their own. `cfg`: one for all, or one per prompt. `recorders(i)`:
+    a `Recorder` that sees the target's state for every position of prompt i and its answer, from the passes
+    that wrote the answer (a local target with no drafter). Yields (index, generation, or the error of that
+    prompt alone) as each finishes."""
     cfgs = cfg if isinstance(cfg, list) else [cfg] * len(prompts)
     if len(cfgs) != len(prompts):
         raise UserError(f"{len(cfgs)} generation configs for {len(prompts)} prompts")
-    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
     from moaspec.decoding.scheduler import Scheduler
     from moaspec.threads import one_thread
@@ -495,9 +496,9 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
     scheduler = Scheduler(dec.target, own_thread=False) if dec.remote is None else None
     idle = [dec.fork(scheduler) for _ in range(min(parallel, len(prompts)))]
     forks = list(idle)
+    waiting = list(range(len(prompts)))[::-1]
 
     def run(i: int) -> tuple[int, Generation | Exception]:
-        one_thread()
         fork = idle.pop()
         try:
             if recorders is None:
@@ -509,22 +510,31 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
             fork.release()
             idle.append(fork)
 
+    def in_thread(i: int) -> tuple[int, Generation | Exception]:
+        one_thread()
+        return run(i)
+
+    pool = ThreadPoolExecutor(len(forks), thread_name_prefix="moaspec-gen") if scheduler is None else None
+    pending: list[Future] = []
     try:
-        with ThreadPoolExecutor(len(forks), thread_name_prefix="moaspec-gen") as pool:
-            pending = [pool.submit(run, i) for i in range(len(prompts))]
-            while pending:
-                if scheduler is not None:
-                    scheduler.step(timeout_s=0.01)
-                else:
-                    wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
-                for f in [f for f in pending if f.done()]:
-                    pending.remove(f)
-                    yield f.result()
+        while waiting or pending:
+            while waiting and len(pending) < len(forks):  # a slot starts only with a fork free for it
+                i = waiting.pop()
+                pending.append(scheduler.call(run, i) if scheduler is not None else pool.submit(in_thread, i))
+            if scheduler is not None:
+                scheduler.step(timeout_s=0.01)
+            else:
+                wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+            for f in [f for f in pending if f.done()]:
+                pending.remove(f)
+                yield f.result()
     finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        if scheduler is not None:
+            scheduler.close()  # slots still parked unwind (their forks back to `idle`) before the forks close
         for fork in forks:
             fork.close()
-        if scheduler is not None:
-            scheduler.close()
 
 
 def _is_ids(prompt: object) -> bool:

@@ -1,23 +1,23 @@
 """Continuous batching: one model, many sequences, one forward pass at a time over all their rows.
 
-The server's step, after llama-server's `update_slots()` (docs/architecture.md): every
-sequence with work (a prompt chunk, a draft tree, a single token) hands its rows to `Scheduler.run`
-from its own thread and blocks; the scheduler's thread gathers what waits into one
+The server's step is llama-server's `update_slots()` (docs/architecture.md). Every generation runs as a
+*slot* on the scheduler's loop (`call`): a greenlet on the loop's thread that runs the ordinary blocking
+code (`Engine.stream`, a target server's `verify`) until it needs a pass (`run`), where it parks. One turn
+of the loop (`step`) starts the slots that came, gathers the rows of every parked slot into one
 `Transformer.forward_batch` (bounded rows per pass, first come first served, so no sequence waits more
-passes than there are sequences ahead of it), and hands each sequence its slice of the outputs. Each
-sequence then verifies, commits and drafts on its own thread while the next pass runs for the others.
-Batch invariance (`Transformer.batch_invariant`) makes a sequence's outputs the same bits as alone, so
-batching never changes a token.
+passes than there are sequences ahead of it), then hands each slot its slice of the outputs and runs it on
+(verify, commit, draft, stream its tokens) until it parks on its next pass or ends. Batch invariance
+(`Transformer.batch_invariant`) makes a sequence's outputs the same bits as alone, so batching never
+changes a token.
 
-After a pass, the sequences it served are expected back soon (they verify and draft, then submit
-again): the next pass waits for them up to `gather_ms`, so that they share it rather than alternate.
+All of it runs on one thread, the one that loaded the model: torch's OpenMP runtime keeps a team of worker
+threads per thread that starts parallel work, and a second team on two cores made every pass ~1.5x slower
+(Qwen 0.5B int8: 16 -> 25 ms a step), as libgomp throttles its spin-waits once it manages more threads
+than there are cores. So a server runs `run_forever` on its main thread (`own_thread=False`) and its I/O
+elsewhere.
 
-Threads: the passes should run on the thread that loaded the model, and the sequences' threads should
-run their own torch work on one thread each (`threads.one_thread`). torch's OpenMP runtime keeps a team
-of worker threads per thread that starts parallel work; a second team on two cores made every pass
-~1.5x slower (Qwen 0.5B int8: 16 -> 25 ms a step, and 19 ms even after the second thread ended), as
-libgomp throttles its spin-waits once it manages more threads than there are cores. So a server runs
-`run_forever` on its main thread (`own_thread=False`) and its I/O elsewhere.
+Slots whose rows are not back after a pass (a target server's session, whose next tree crosses the network)
+are waited for up to `gather_ms`, so that they share the next pass rather than alternate.
 """
 
 from __future__ import annotations
@@ -26,16 +26,20 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
+from greenlet import greenlet
 
 from moaspec.errors import UserError
 from moaspec.models.runtime import ForwardOut, Rows, Transformer
 
 log = logging.getLogger("moaspec.scheduler")
 
+T = TypeVar("T")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the histogram of rows per pass
 
 
@@ -52,23 +56,42 @@ class SchedulerStats:
     max_wait_passes: int = 0  # the most passes any item waited in the queue before its own
 
 
+class _Slot(greenlet):
+    """One call (`Scheduler.call`) running on the scheduler's loop; `future` gets what it returns or raises."""
+
+    def __init__(self, scheduler: Scheduler, fn: Callable[..., Any], args: tuple, future: Future):
+        super().__init__(self._body, parent=scheduler._hub)
+        self.scheduler, self.fn, self.args, self.future = scheduler, fn, args, future
+
+    def _body(self) -> None:
+        try:
+            with torch.no_grad():
+                result = self.fn(*self.args)
+        except BaseException as e:
+            self.future.set_exception(e)
+            if not isinstance(e, Exception):  # Ctrl-C, SystemExit: the loop's to handle, not this call's
+                raise
+        else:
+            self.future.set_result(result)
+
+
 @dataclass(eq=False)
 class _Item:
     rows: Rows
     owner: object
     model: Transformer
-    future: Future = field(default_factory=Future)
+    slot: _Slot  # parked until its pass
     queued_at_pass: int = 0
 
 
 class Scheduler:
-    """Runs the forward passes of every sequence of one model in one thread, batched. Sequences of another
+    """Runs the forward passes of every sequence of one model in one loop, batched. Sequences of another
     model over the same process (the same weights in another mode) may submit theirs too (`run(model=)`):
     a pass then stacks the items of the first model waiting, and the others wait their turn in order."""
 
     def __init__(self, model: Transformer, max_rows: int = 256, gather_ms: float = 5.0, own_thread: bool = True):
-        """`own_thread`: run the passes on a thread of its own (started here), else on the thread that calls
-        `run_forever`."""
+        """`own_thread`: run the loop on a thread of its own (started here), else on the thread that calls
+        `run_forever` (or `step`)."""
         if not isinstance(max_rows, int) or max_rows < 1:
             raise UserError(f"max_rows must be a positive integer, got {max_rows!r}")
         if not gather_ms >= 0:
@@ -78,11 +101,14 @@ class Scheduler:
         self.max_rows = max_rows
         self.gather_s = gather_ms / 1e3
         self.stats = SchedulerStats()
-        self._queue: deque[_Item] = deque()
+        self._queue: deque[_Item] = deque()  # rows waiting for a pass
+        self._arrivals: deque[tuple[Callable[..., Any], tuple, Future]] = deque()  # calls not started yet
+        self._paused: list[_Slot] = []  # slots that let a pass go first (`pause`)
         self._expected: set[int] = set()  # owners served by the last pass, not back yet
         self._cond = threading.Condition()
         self._closed = False
         self.failure: BaseException | None = None  # what stopped the loop, if anything did
+        self._hub: greenlet | None = None  # the loop's own greenlet (its thread's main one): slots park into it
         self._thread: threading.Thread | None = None
         if own_thread:
             self._thread = threading.Thread(target=self.run_forever, name="moaspec-scheduler", daemon=True)
@@ -101,16 +127,27 @@ class Scheduler:
         """Whether passes really stack sequences (else they run one after another inside a pass)."""
         return self.model.batch_invariant()
 
+    def call(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `fn(*args)` as a slot on the loop; its passes (`run`) park it until the loop has run them."""
+        future: Future[T] = Future()
+        with self._cond:
+            if self._closed:
+                raise self._stopped()
+            self._arrivals.append((fn, args, future))
+            self._cond.notify_all()
+        return future
+
     def run(self, rows: Rows, owner: object, model: Transformer | None = None) -> ForwardOut:
         """The outputs of `rows` (one sequence's, `owner` its session; `model` if not the scheduler's own),
-        from the next pass that has room."""
-        return self.submit(rows, owner, model).result()
-
-    def submit(self, rows: Rows, owner: object, model: Transformer | None = None) -> Future:
+        from the next pass that has room; the slot that asks (`call`) parks until then."""
         rows.cache.check_room(rows.n)  # here, not in the pass: one sequence's overflow must not fail a batch
         if rows.n > self.max_rows:
             raise UserError(f"{rows.n} rows in one pass; this scheduler runs at most {self.max_rows}")
-        item = _Item(rows, owner, model or self.model)
+        slot = greenlet.getcurrent()
+        if not (isinstance(slot, _Slot) and slot.scheduler is self):
+            raise RuntimeError("a scheduler runs the passes of its slots only: run the generation with "
+                               "Scheduler.call")
+        item = _Item(rows, owner, model or self.model, slot)
         with self._cond:
             if self._closed:
                 raise self._stopped()
@@ -118,7 +155,15 @@ class Scheduler:
             self._queue.append(item)
             self._expected.discard(id(owner))
             self._cond.notify_all()
-        return item.future
+        return self._hub.switch()
+
+    def _pause(self, slot: _Slot) -> None:
+        with self._cond:
+            if self._closed:
+                raise self._stopped()
+            self._paused.append(slot)
+            self._cond.notify_all()
+        self._hub.switch()
 
     def leave(self, owner: object) -> None:
         """`owner` will send nothing more for now (its generation ended or paused): do not wait for it."""
@@ -127,21 +172,33 @@ class Scheduler:
             self._cond.notify_all()
 
     def close(self) -> None:
+        """Stop the loop; what waits for it fails with the reason (slots unwind on the loop's thread)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        with self._cond:
-            waiting, self._queue = list(self._queue), deque()
-        for item in waiting:
-            if not item.future.done():
-                item.future.set_exception(self._stopped())
+        if self._hub is None or self._hub is greenlet.getcurrent():
+            self._shut()
 
     def _stopped(self) -> UserError:
         if self.failure is None:
             return UserError("the scheduler is shut down")
         return UserError(f"the scheduler stopped ({type(self.failure).__name__}: {self.failure})")
+
+    def _shut(self) -> None:
+        with self._cond:
+            waiting, self._queue = list(self._queue), deque()
+            arrivals, self._arrivals = list(self._arrivals), deque()
+            paused, self._paused = self._paused, []
+        for _fn, _args, future in arrivals:
+            future.set_exception(self._stopped())
+        with torch.no_grad():  # as in `step`: the slots unwinding leave their no_grad blocks (grad mode is per thread)
+            for item in waiting:
+                self._hand(item, self._stopped())
+            for slot in paused:
+                if not slot.dead:
+                    slot.throw(self._stopped())
 
     def check_health(self) -> None:
         """Raise if the passes stopped (their thread died, or the loop failed): a replica's health check, so that
@@ -152,36 +209,10 @@ class Scheduler:
             raise RuntimeError("the scheduler's thread is gone")
 
     # ------------------------------------------------------------------ the loop
-    def _gather(self, timeout_s: float | None = None) -> list[_Item] | None:
-        """The next pass's items (waiting up to `timeout_s` for the first: [] if none came); None once closed."""
-        with self._cond:
-            if not self._queue and not self._closed:
-                self._cond.wait_for(lambda: self._queue or self._closed, timeout_s)
-            if self._closed:
-                return None
-            if not self._queue:
-                return []
-            deadline = time.perf_counter() + self.gather_s
-            while self._expected and not self._closed:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            model = self._queue[0].model
-            batch, rows, later = [], 0, []
-            while self._queue and (not batch or rows + self._queue[0].rows.n <= self.max_rows):
-                item = self._queue.popleft()
-                if item.model is not model:
-                    later.append(item)
-                    continue
-                batch.append(item)
-                rows += item.rows.n
-            self._queue.extendleft(reversed(later))
-            return batch
-
     def run_forever(self) -> None:
-        """Run passes until `close` (on the scheduler's own thread, or the caller's). If the loop itself fails, every
-        waiting and later request fails at once with the reason, instead of waiting for passes that never come."""
+        """Run the loop until `close` (on the scheduler's own thread, or the caller's). If the loop itself fails,
+        every waiting and later request fails at once with the reason, instead of waiting for passes that never
+        come."""
         torch.set_num_threads(self.threads)
         try:
             while self.step():
@@ -192,41 +223,87 @@ class Scheduler:
             self.close()
             if threading.current_thread() is not self._thread:  # the server's main loop: it ends too
                 raise
+        self._shut()
 
     def step(self, timeout_s: float | None = None) -> bool:
-        """Run one pass over what waits (waiting up to `timeout_s` for work: None, until some comes or the
-        scheduler is closed). False once closed."""
-        batch = self._gather(timeout_s)
+        """One turn of the loop (waiting up to `timeout_s` for work; None: until some comes or the scheduler
+        is closed): start the slots that came, then one pass over the rows that wait, each slot running on
+        until its next pass or its end. False once closed."""
+        if self._hub is None:
+            self._hub = greenlet.getcurrent()
+        elif self._hub is not greenlet.getcurrent():
+            raise RuntimeError("a scheduler's loop runs on one thread only")
+        with self._cond:
+            if not (self._queue or self._arrivals or self._paused or self._closed):
+                self._cond.wait_for(lambda: self._queue or self._arrivals or self._paused or self._closed, timeout_s)
+        with torch.no_grad():  # for good while slots run: one that leaves its own no_grad must not turn it off
+            return self._turn()
+
+    def _turn(self) -> bool:
+        deadline = time.perf_counter() + self.gather_s
+        while True:  # start what came; wait a little for the owners of the last pass
+            self._start_arrivals()
+            with self._cond:
+                left = deadline - time.perf_counter()
+                if self._closed or not self._queue or not self._expected or self._paused or left <= 0:
+                    break
+                self._cond.wait_for(lambda: self._arrivals or not self._expected or self._closed, left)
+        batch = self._take_batch()
         if batch is None:
             return False
-        if not batch:
-            return True
         try:
-            self._pass(batch)
+            if batch:
+                self._pass(batch)
         except BaseException as e:  # the loop itself failed: this pass's requests learn why
             with self._cond:
                 self.failure, self._closed = e, True
             for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(self._stopped())
+                self._hand(item, self._stopped())
             raise
+        with self._cond:
+            paused, self._paused = self._paused, []
+        for slot in paused:  # the pass went first: they go on
+            slot.switch()
         return True
+
+    def _start_arrivals(self) -> None:
+        with self._cond:
+            arrivals, self._arrivals = list(self._arrivals), deque()
+        for fn, args, future in arrivals:
+            if future.set_running_or_notify_cancel():
+                _Slot(self, fn, args, future).switch()  # runs until it parks on a pass or ends
+
+    def _take_batch(self) -> list[_Item] | None:
+        """The next pass's items: the first waiting model's, up to `max_rows` rows; None once closed."""
+        with self._cond:
+            if self._closed:
+                return None
+            batch, rows, later = [], 0, []
+            model = self._queue[0].model if self._queue else None
+            while self._queue and (not batch or rows + self._queue[0].rows.n <= self.max_rows):
+                item = self._queue.popleft()
+                if item.model is not model:
+                    later.append(item)
+                    continue
+                batch.append(item)
+                rows += item.rows.n
+            self._queue.extendleft(reversed(later))
+            if batch:
+                self._expected = {id(item.owner) for item in batch}
+            return batch
 
     def _pass(self, batch: list[_Item]) -> None:
         t = time.perf_counter()
         model = batch[0].model
         try:
-            outs = model.forward_batch([item.rows for item in batch])
+            outs: list = model.forward_batch([item.rows for item in batch])
         except Exception:  # one sequence's bad rows must not fail the others: run each alone
-            outs = None
-        for i, item in enumerate(batch):
-            if outs is not None:
-                item.future.set_result(outs[i])
-                continue
-            try:
-                item.future.set_result(model.forward_batch([item.rows])[0])
-            except Exception as e:
-                item.future.set_exception(e)
+            outs = []
+            for item in batch:
+                try:
+                    outs.append(model.forward_batch([item.rows])[0])
+                except Exception as e:
+                    outs.append(e)
         s = self.stats
         s.busy_s += time.perf_counter() - t
         rows = sum(item.rows.n for item in batch)
@@ -236,5 +313,19 @@ class Scheduler:
         s.passes += 1
         s.rows += rows
         s.sequences += len(batch)
-        with self._cond:
-            self._expected = {id(item.owner) for item in batch} - {id(i.owner) for i in self._queue}
+        for item, out in zip(batch, outs, strict=True):
+            self._hand(item, out)
+
+    def _hand(self, item: _Item, out: ForwardOut | BaseException) -> None:
+        """Give `item`'s slot its outputs (or what failed): it runs on until it parks again or ends."""
+        if not item.slot.dead:
+            item.slot.throw(out) if isinstance(out, BaseException) else item.slot.switch(out)
+
+
+def pause() -> None:
+    """Let the loop run a pass for the other slots before going on: long work between two passes (a drafter
+    taking in a whole prompt) calls it between pieces, so that it never stalls the others for long, as a
+    thread of its own would not have. Outside a slot it does nothing."""
+    slot = greenlet.getcurrent()
+    if isinstance(slot, _Slot):
+        slot.scheduler._pause(slot)

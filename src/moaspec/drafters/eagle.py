@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from moaspec.decoding.context import register
+from moaspec.decoding.scheduler import pause
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.layers import DecoderLayer, DraftLinear, KVCache, rope
 from moaspec.drafters.trained import (
@@ -48,6 +49,7 @@ from moaspec.models.runtime import ModelConfig, Transformer, signed_sin
 
 KIND = "eagle"
 DEFAULT_NOISE = 0.1  # EAGLE's training noise on the input features: U(-0.1, 0.1)
+PROMPT_CHUNK = 64  # rows of a prompt per layer call when drafting starts (`pause` between them)
 
 
 # ============================================================================= EAGLE-2
@@ -233,7 +235,7 @@ class EagleDrafter(TargetBoundDrafter):
             if self.n_features <= start:
                 self.features[start] = self._pred
                 self.n_features = start + 1
-            end = min(P, self.n_features)
+            end = min(P, self.n_features, start + PROMPT_CHUNK)
             ids = torch.tensor(ext[start + 1:end + 1], device=dev)
             pos = torch.arange(start, end, device=dev)
             out = self._rows(self.features[start:end][None], ids[None], pos, pending_mask(start, end - start, dev),
@@ -241,6 +243,7 @@ class EagleDrafter(TargetBoundDrafter):
             self._pred, start = out[0, -1], end
             if end == P:
                 break
+            pause()  # a prompt's rows, a chunk at a time: a server's other sessions have their passes between
         self.rows = P
         pred_of = {0: out[0, -1]}  # tree node -> its row's predicted feature (input of its children's rows)
         slot_of = {0: P - 1}  # drafted rows get tentative slots P, P+1, ... (overwritten next round)

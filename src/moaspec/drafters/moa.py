@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from moaspec.decoding.context import register
+from moaspec.decoding.scheduler import pause
 from moaspec.decoding.target import DeferredContext, resolve_contexts
 from moaspec.decoding.tree import Tree, TreeConfig, grow_tree
 from moaspec.drafters.layers import (
@@ -274,8 +275,12 @@ class ContextEncoder(nn.Module):
         L, E = self.cfg.num_layers, self.cfg.lsa_hidden
         x = torch.cat([K, V], -1).permute(2, 0, 1, 3).reshape(n, L, E)  # per head [k_h, v_h], as `layer_states`
         kern, proj = self.lsa.kernels(), self.proj.kernel()
-        chunks = [proj(self.lsa.infer(x[s:s + self.CHUNK], self.cos, self.sin_signed, kern=kern).mean(-2))
-                  for s in range(0, n, self.CHUNK)] or [x.new_zeros(0, self.cfg.hidden_size)]
+        chunks = []
+        for s in range(0, n, self.CHUNK):
+            if s:
+                pause()  # a prompt's context a chunk at a time: a server's other sessions have their passes between
+            chunks.append(proj(self.lsa.infer(x[s:s + self.CHUNK], self.cos, self.sin_signed, kern=kern).mean(-2)))
+        chunks = chunks or [x.new_zeros(0, self.cfg.hidden_size)]
         vectors = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         N = self.cfg.tli_layers
         tail = (K[-N:].clone(), V[-N:].clone()) if N else None

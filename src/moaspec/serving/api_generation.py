@@ -69,6 +69,7 @@ class ClientGone(Exception):
 
 
 QUEUE_CHECK_S = 0.5  # how often a queued request looks whether its client is still there
+DISCONNECT_CHECK_S = 0.05  # how often a running generation's request does
 
 
 @dataclass(frozen=True)
@@ -343,16 +344,16 @@ class Generations:
     def fork(self, job: Job) -> SpecDecoder:
         """An idle decoder for `job`'s weight mode (loading that mode's weights the first time), with its
         drafter."""
-        with self._loading:
+        with self._loading:  # also forks: two at once raced in importlib's caches (a drafter's package lookup)
             if job.weights not in self.variants:
                 self._check_memory(job.weights)
                 log.info("loading %s in %s for a request", self.model_name, job.weights)
                 self.variants[job.weights] = self.dec.with_weights(job.weights)
                 self.idle[job.weights] = []
-        try:
-            fork = self.idle[job.weights].pop()
-        except IndexError:
-            fork = self.variants[job.weights].fork(self.scheduler)
+            try:
+                fork = self.idle[job.weights].pop()
+            except IndexError:
+                fork = self.variants[job.weights].fork(self.scheduler)
         own = self.dec._drafter_args  # the server's drafter, with its parts (a hybrid's, a draft model, a path)
         args = own if job.drafter in (None, self.own_drafter()) else \
             {"drafter": job.drafter, "tree": own["tree"], "datastore": own["datastore"]}
@@ -385,14 +386,9 @@ class Generations:
 
     async def _generate(self, request: Request, job: Job, queue: asyncio.Queue, stop: asyncio.Event) -> None:
         """Run one generation on a decoder of its own, once the request has a place (waiting for one, FIFO),
-        into `queue`; between rounds, stop if the client went away (or `stop` is set), and give the place,
-        the decoder and its rows back at once."""
-        done = object()
-
-        def step(it):
-            with torch.no_grad():
-                return next(it, done)
-
+        into `queue`: a slot of the scheduler's loop (a remote target's: a worker thread), which stops between
+        rounds once the client went away (or `stop` is set); the place, the decoder and its rows go back at
+        once."""
         finished = False
 
         async def gone(_position: int) -> None:  # a client that leaves the queue gives its place up at once
@@ -410,28 +406,42 @@ class Generations:
         except Exception as e:
             queue.put_nowait(e)
             return
+        loop = asyncio.get_running_loop()
+        cancel = threading.Event()
         fork = None
-        try:
-            fork = await in_worker(self.fork, job, limiter=self.threads)
+
+        def generation() -> bool:
+            """The rounds, each sent to `queue` as it is verified; whether the generation ran to its end."""
             it = fork.stream(job.ids, job.cfg, pieces=job.pieces)
             try:
-                while not stop.is_set() and not await request.is_disconnected():
-                    d = await in_worker(step, it, limiter=self.threads)
-                    if d is done:
-                        finished = True
-                        break
-                    self.stats.completion_tokens += len(d.tokens)
-                    self.tokens.add(len(d.tokens))
-                    finished = d.finish is not None
-                    queue.put_nowait((d, self._live(fork, job, d), fork.engine.metrics if finished else None))
-                    if finished:
-                        break
+                with torch.no_grad():
+                    for d in it:
+                        self.stats.completion_tokens += len(d.tokens)
+                        self.tokens.add(len(d.tokens))
+                        last = d.finish is not None
+                        loop.call_soon_threadsafe(queue.put_nowait, (d, self._live(fork, job, d),
+                                                                     fork.engine.metrics if last else None))
+                        if last or cancel.is_set():
+                            return last
+                return True
             finally:
                 it.close()  # the engine tells its target: the scheduler stops waiting for it
+
+        try:
+            fork = await in_worker(self.fork, job, limiter=self.threads)
+            running = asyncio.wrap_future(self.scheduler.call(generation)) if self.scheduler is not None \
+                else asyncio.ensure_future(in_worker(generation, limiter=self.threads))
+            while not running.done() and not cancel.is_set():
+                if stop.is_set() or await request.is_disconnected():
+                    cancel.set()
+                else:
+                    await asyncio.wait({running}, timeout=DISCONNECT_CHECK_S)
+            finished = await running
         except Exception as e:  # a failure, not a cancellation: the consumer reports it
             finished = True
             queue.put_nowait(e)
         finally:
+            cancel.set()
             if fork is not None:
                 fork.release()
                 self.idle[job.weights].append(fork)

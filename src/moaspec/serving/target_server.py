@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch
 from fastapi import FastAPI, Request, Response, WebSocket, WebSocketDisconnect
 
@@ -57,7 +56,7 @@ from moaspec.link.protocol import (
 from moaspec.models.runtime import KVCache, Transformer
 from moaspec.serving.admission import Admission
 from moaspec.serving.metrics import Rate, ServerCollector, exposition, prefix_gauges, registry
-from moaspec.serving.runner import ConnectionLimits, in_worker, warn_exposure
+from moaspec.serving.runner import ConnectionLimits, warn_exposure
 from moaspec.serving.runner import serve as run
 
 log = logging.getLogger("moaspec.serve")
@@ -192,8 +191,6 @@ class TargetServer:
         self.prefix = PrefixCache(self.limits.cache_ram_mb << 20) if self.limits.cache_ram_mb else None
         self.tokens = Rate()
         self.registry = registry(ServerCollector(self.scheduler, self.tokens, self._gauges))
-        # the worker threads sessions wait in for their passes: one each, whatever anyio's default
-        self.threads = anyio.CapacityLimiter(self.limits.max_connections + 4)
         self.app = self._build_app()
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
@@ -227,7 +224,9 @@ class TargetServer:
         return ok[0] if ok else None
 
     async def _compute(self, fn, *args):
-        return await in_worker(fn, *args, limiter=self.threads)
+        """`fn(*args)`, a session's start or verify, as a slot of the scheduler's loop (its pass batched with the
+        other sessions')."""
+        return await asyncio.wrap_future(self.scheduler.call(fn, *args))
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="moaspec target server", docs_url=None, redoc_url=None, openapi_url=None)
