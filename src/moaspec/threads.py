@@ -70,9 +70,9 @@ def set_threads(n: int | None) -> int:
 
 
 def one_thread() -> None:
-    """Run this thread's torch work on this thread alone: for the threads of sequences that a `Scheduler`
-    runs passes for (verifying, drafting), so that they start no OpenMP team of their own beside the one
-    of the passes (see `decoding.scheduler`)."""
+    """Run this thread's torch work on this thread alone: for worker threads beside a `Scheduler`'s loop
+    (tokenizing, forking a decoder, a remote target's generations), so that they start no OpenMP team of their
+    own beside the one of the passes (see `decoding.scheduler`)."""
     import torch
 
     if torch.get_num_threads() != 1:

@@ -1,4 +1,4 @@
-"""Running a server process: HTTP on a thread of its own, the batched passes on the main thread.
+"""Running a server process: HTTP on a thread of its own, the scheduler's loop on the main thread.
 
 The main thread loaded the model; its passes stay there (`decoding.scheduler`: one OpenMP team in the
 process), and uvicorn's event loop, which does no torch work, runs beside it. Ctrl-C and SIGTERM end
@@ -26,8 +26,8 @@ T = TypeVar("T")
 
 
 async def in_worker(fn: Callable[..., T], *args: Any, limiter: anyio.CapacityLimiter) -> T:
-    """`fn(*args)` in a worker thread whose torch work runs on that thread alone (`threads.one_thread`):
-    a session's own work beside the passes, which keep the process's one OpenMP team."""
+    """`fn(*args)` in a worker thread whose torch work runs on that thread alone (`threads.one_thread`): work
+    beside the scheduler's loop (tokenizing, forking a decoder), which keeps the process's one OpenMP team."""
     def call() -> T:
         one_thread()
         return fn(*args)
