@@ -64,16 +64,8 @@ def run(model: str, weights: str, n_prompts: int, drafters: list[str], temperatu
             idle.append(fork)
 
     t0 = time.perf_counter()
-    pending: list = []
-    started = 0
-    while started < len(jobs) or pending:  # each job a slot of the scheduler's loop, `parallel` at once
-        while started < len(jobs) and len(pending) < parallel:
-            pending.append(scheduler.call(job, started))
-            started += 1
-        scheduler.step(timeout_s=0.01)
-        for f in [f for f in pending if f.done()]:
-            pending.remove(f)
-            f.result()
+    for f in scheduler.completed(job, range(len(jobs)), parallel):  # each job a slot of the scheduler's loop
+        f.result()
     batched_s = time.perf_counter() - t0
     for fork in forks:
         fork.close()

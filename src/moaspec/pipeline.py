@@ -484,7 +484,7 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
     cfgs = cfg if isinstance(cfg, list) else [cfg] * len(prompts)
     if len(cfgs) != len(prompts):
         raise UserError(f"{len(cfgs)} generation configs for {len(prompts)} prompts")
-    from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from moaspec.decoding.scheduler import Scheduler
     from moaspec.threads import one_thread
@@ -496,7 +496,6 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
     scheduler = Scheduler(dec.target, own_thread=False) if dec.remote is None else None
     idle = [dec.fork(scheduler) for _ in range(min(parallel, len(prompts)))]
     forks = list(idle)
-    waiting = list(range(len(prompts)))[::-1]
 
     def run(i: int) -> tuple[int, Generation | Exception]:
         fork = idle.pop()
@@ -514,20 +513,15 @@ def generate_many(dec: SpecDecoder, prompts: list[str | list[dict] | list[int]],
         one_thread()
         return run(i)
 
-    pool = ThreadPoolExecutor(len(forks), thread_name_prefix="moaspec-gen") if scheduler is None else None
-    pending: list[Future] = []
+    pool = None
     try:
-        while waiting or pending:
-            while waiting and len(pending) < len(forks):  # a slot starts only with a fork free for it
-                i = waiting.pop()
-                pending.append(scheduler.call(run, i) if scheduler is not None else pool.submit(in_thread, i))
-            if scheduler is not None:
-                scheduler.step(timeout_s=0.01)
-            else:
-                wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
-            for f in [f for f in pending if f.done()]:
-                pending.remove(f)
-                yield f.result()
+        if scheduler is not None:  # a slot starts only with a fork free for it
+            finished = scheduler.completed(run, range(len(prompts)), len(forks))
+        else:
+            pool = ThreadPoolExecutor(len(forks), thread_name_prefix="moaspec-gen")
+            finished = as_completed([pool.submit(in_thread, i) for i in range(len(prompts))])
+        for f in finished:
+            yield f.result()
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

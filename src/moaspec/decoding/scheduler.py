@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -40,6 +40,7 @@ from moaspec.models.runtime import ForwardOut, Rows, Transformer
 log = logging.getLogger("moaspec.scheduler")
 
 T = TypeVar("T")
+_END = object()
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the histogram of rows per pass
 
 
@@ -64,9 +65,8 @@ class _Slot(greenlet):
         self.scheduler, self.fn, self.args, self.future = scheduler, fn, args, future
 
     def _body(self) -> None:
-        try:
-            with torch.no_grad():
-                result = self.fn(*self.args)
+        try:  # under the loop's no_grad (`step`, `_shut`): grad mode is the thread's, not the greenlet's
+            result = self.fn(*self.args)
         except BaseException as e:
             self.future.set_exception(e)
             if not isinstance(e, Exception):  # Ctrl-C, SystemExit: the loop's to handle, not this call's
@@ -136,6 +136,20 @@ class Scheduler:
             self._arrivals.append((fn, args, future))
             self._cond.notify_all()
         return future
+
+    def completed(self, fn: Callable[[Any], T], items: Iterable[Any], parallel: int) -> Iterator[Future[T]]:
+        """Run `fn(item)` for each of `items` as slots, at most `parallel` at once, driving the loop on this thread;
+        yield each one's future as it finishes (a batch job's loop: `pipeline.generate_many`)."""
+        todo, running = iter(items), []
+        while True:
+            while len(running) < parallel and (item := next(todo, _END)) is not _END:
+                running.append(self.call(fn, item))
+            if not running:
+                return
+            self.step(timeout_s=0.01)
+            for f in [f for f in running if f.done()]:
+                running.remove(f)
+                yield f
 
     def run(self, rows: Rows, owner: object, model: Transformer | None = None) -> ForwardOut:
         """The outputs of `rows` (one sequence's, `owner` its session; `model` if not the scheduler's own),
