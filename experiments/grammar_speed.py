@@ -42,6 +42,7 @@ def main() -> None:
             for rules in (None, LogitRules(grammar=grammar)):
                 tokens, seconds, taus = 0, 0.0, []
                 for ask in asks:
+                    dec.target.reset()  # cold, as every other row: no prompt prefix kept from the ask before
                     g = dec.generate(ask, GenerationConfig(max_new_tokens=args.max_new_tokens, rules=rules))
                     tokens += len(g.token_ids)
                     seconds += g.metrics.decode_s

@@ -1,7 +1,8 @@
 """A conversation of several turns about a ~1.5k-token module of code, sent to each server as a chat client
 sends it (the whole conversation every turn, greedy, streamed): time to first token per turn, tokens/s and
-the prompt tokens each server found cached. Our server with its prefix cache, the same without one
-(`--cache-ram 0`: every turn cold), and llama-server with its prompt cache (on by default), in one run.
+the prompt tokens each server found cached. Warm on both sides: our server with its prefix cache and llama-server
+with its prompt cache (on by default); cold on both sides: ours with `--cache-ram 0` and llama-server with
+`cache_prompt: false` on every request; in one run, each server warmed up by its own warm-up pass.
 
     python -m experiments.multiturn --model qwen2.5-coder-0.5b --out bench-out/multiturn
 """
@@ -34,9 +35,10 @@ def document(tokens: int = 1500) -> str:
     return text[: tokens * 3]  # ~3 characters a token for code
 
 
-async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int,
+                cache_prompt: bool = True) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "cache_prompt": cache_prompt}
     t0 = time.perf_counter()
     first, parts, usage = None, [], {}
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -61,14 +63,15 @@ async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[di
             "text": "".join(parts)}
 
 
-async def conversation(url: str, model: str, turns: int, max_tokens: int, doc: str) -> list[dict]:
+async def conversation(url: str, model: str, turns: int, max_tokens: int, doc: str,
+                       cache_prompt: bool = True) -> list[dict]:
     messages: list[dict] = []
     out = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(900)) as http:
         for i in range(turns):
             q = QUESTIONS[i % len(QUESTIONS)].format(code=doc)
             messages.append({"role": "user", "content": q})
-            r = await _turn(http, url, model, messages, max_tokens)
+            r = await _turn(http, url, model, messages, max_tokens, cache_prompt)
             messages.append({"role": "assistant", "content": r["text"]})
             out.append(r)
     return out
@@ -121,8 +124,9 @@ async def stall(url: str, model: str, doc: str, streams: int = 3, max_tokens: in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
-    p.add_argument("--servers", default="ours,ours-cold,llama-server",
-                   help="comma-separated among ours, ours-cold (--cache-ram 0), llama-server")
+    p.add_argument("--servers", default="ours,llama-server,ours-cold,llama-server-cold",
+                   help="comma-separated among ours, ours-cold (--cache-ram 0), llama-server, llama-server-cold "
+                        "(cache_prompt: false)")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--doc-tokens", type=int, default=1500)
@@ -140,11 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in args.servers.split(","):
         port = free_port()
-        if name == "ours":
-            cmd = _ours(args.model, args.weights, args.drafter, 1, port, args.threads)
-        elif name == "ours-cold":
-            cmd = [*_ours(args.model, args.weights, args.drafter, 1, port, args.threads), "--cache-ram", "0"]
-        elif name == "llama-server":
+        if name in ("ours", "ours-cold"):
+            cmd = _ours(args.model, args.weights, args.drafter, 1, port, args.threads, warm=name == "ours")
+        elif name in ("llama-server", "llama-server-cold"):
             cmd = _llama_server(args.model, 1, port, args.threads, 8192, lookup=False)
         else:
             raise UserError(f"unknown server {name!r}")
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.stall:
                 results[name] = asyncio.run(stall(server.url, args.model, document(args.stall)))
             else:
-                results[name] = asyncio.run(conversation(server.url, args.model, args.turns, args.max_tokens, doc))
+                results[name] = asyncio.run(conversation(server.url, args.model, args.turns, args.max_tokens, doc,
+                                                         cache_prompt=name != "llama-server-cold"))
         finally:
             server.stop()
         print(name, results[name] if args.stall else [r["ttft_s"] for r in results[name]], flush=True)

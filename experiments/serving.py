@@ -10,7 +10,11 @@ aggregate tokens/s (all completion tokens over the wall time), per-client tokens
 TPOT, errors, and how many answers differ from the same server's answer with one client (batching
 must not change a greedy answer; ours are bit-identical by construction).
 
-Servers are measured one after another, client counts interleaved within each; nothing else may run.
+Every row starts a server afresh (no KV cache, suffix history or Token Recycling table from an earlier row:
+each row asks the same questions, so that its answers can be compared with the lone client's), warmed up on
+other questions. Caches are cold on both sides by default (ours `--cache-ram 0`, llama-server's requests
+`cache_prompt: false`); `--cache warm` turns both sides' prompt caches on. Servers are measured one after
+another; nothing else may run.
 """
 
 from __future__ import annotations
@@ -120,10 +124,10 @@ class Server:
 
 
 async def _ask(client: httpx.AsyncClient, url: str, model: str, question: str, max_tokens: int,
-               req: Request) -> None:
+               req: Request, warm: bool = False) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "cache_prompt": False}  # llama-server would reuse a slot's cache of an earlier run's same prompt
+            "cache_prompt": warm}  # llama-server's prompt cache (ours is the server's --cache-ram)
     for attempt in range(2):  # a kept-alive connection the server closed meanwhile fails at once: once more
         t0 = time.perf_counter()
         await _stream(client, url, body, req, t0)
@@ -166,7 +170,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, req: Request,
         req.tpot_s = (last - first) / (req.tokens - 1)
 
 
-async def _load(url: str, model: str, questions: list[str], clients: int, max_tokens: int
+async def _load(url: str, model: str, questions: list[str], clients: int, max_tokens: int, warm: bool = False
                 ) -> tuple[float, list[Request]]:
     """Every question once, split over `clients` clients that each ask theirs one after another."""
     reqs: list[Request] = []
@@ -175,7 +179,7 @@ async def _load(url: str, model: str, questions: list[str], clients: int, max_to
         for q in range(c, len(questions), clients):
             req = Request(c, q)
             reqs.append(req)
-            await _ask(http, url, model, questions[q], max_tokens, req)
+            await _ask(http, url, model, questions[q], max_tokens, req, warm)
 
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as http:
@@ -184,10 +188,10 @@ async def _load(url: str, model: str, questions: list[str], clients: int, max_to
         return time.perf_counter() - t0, reqs
 
 
-def _ours(model: str, weights: str, drafter: str, parallel: int, port: int, threads: int) -> list[str]:
+def _ours(model: str, weights: str, drafter: str, parallel: int, port: int, threads: int, warm: bool) -> list[str]:
     return [str(Path(sys.executable).parent / "moaspec"), "serve", "--model", model, "--weights", weights, "--drafter",
             drafter, "--port", str(port), "--parallel", str(parallel), "--max-waiting", "64", "--threads",
-            str(threads), "--max-tokens", "1024"]
+            str(threads), "--max-tokens", "1024", *([] if warm else ["--cache-ram", "0"])]
 
 
 def _llama_server(model: str, parallel: int, port: int, threads: int, ctx_per_slot: int, lookup: bool) -> list[str]:
@@ -196,7 +200,7 @@ def _llama_server(model: str, parallel: int, port: int, threads: int, ctx_per_sl
         raise UserError(f"llama-server not found in {llamacpp.bin_dir()}: build it with `make llama-cpp`")
     cmd = [str(exe), "-m", str(gguf_file(model)), "-np", str(parallel), "-c", str(ctx_per_slot * parallel),
            "-t", str(threads), "-tb", str(threads), "--port", str(port), "--host", "127.0.0.1", "-cb",
-           "--alias", model, "--no-warmup"]
+           "--alias", model]  # with its warm-up pass, as ours warms up
     if lookup:
         cmd += ["--spec-type", "ngram-simple"]
     return cmd
@@ -213,40 +217,45 @@ def main(argv: list[str] | None = None) -> int:
                    "clients")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache", choices=("cold", "warm"), default="cold",
+                   help="both sides' prompt caches off (cold) or on (warm)")
     p.add_argument("--out", default="bench-out/serving")
     args = p.parse_args(argv)
     counts = [int(x) for x in args.clients.split(",")]
     if counts[0] != 1:
         raise UserError("the first client count must be 1: its answers are the reference")
     top = max(counts)
-    questions = [q.turns[0] for q in load_tasks(n=8)][: args.requests]
+    warm = args.cache == "warm"
+    tasks = load_tasks(n=8)
+    questions = [q.turns[0] for q in tasks][: args.requests]
+    others = [q.turns[0] for q in tasks][args.requests:][:2] or ["Say hello.", "Count to three."]  # the warm-up's
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for spec in args.servers.split(","):
-        port = free_port()
-        if spec.startswith("llama-server"):
-            cmd = _llama_server(args.model, top, port, args.threads, 2048, lookup=spec.endswith("lookup"))
-        else:
-            drafter, _, weights = spec.partition(":")
-            cmd = _ours(args.model, weights or "fp16", drafter if drafter != "plain" else "none", top, port,
-                        args.threads)
-        server = Server(spec, cmd, port, out / f"{spec.replace(':', '-')}.log")
-        try:
-            server.wait_ready()
-            asyncio.run(_load(server.url, args.model, questions[:2], 2, 8))  # warm up
-            lone: dict[int, str] | None = None
-            for n in counts:
-                wall, reqs = asyncio.run(_load(server.url, args.model, questions, n, args.max_tokens))
-                row = Row(spec, n, wall, sum(r.tokens for r in reqs if r.error is None), reqs)
-                if n == 1:
-                    lone = {r.question: r.text for r in reqs if r.error is None}
-                summary = row.summary(lone)
-                results.append({**summary, "detail": [asdict(r) for r in reqs]})
-                print(json.dumps(summary), flush=True)
-        finally:
-            server.stop()
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+        lone: dict[int, str] | None = None
+        for n in counts:  # a fresh server per row: nothing an earlier row taught it
+            port = free_port()
+            if spec.startswith("llama-server"):
+                cmd = _llama_server(args.model, top, port, args.threads, 2048, lookup=spec.endswith("lookup"))
+            else:
+                drafter, _, weights = spec.partition(":")
+                cmd = _ours(args.model, weights or "fp16", drafter if drafter != "plain" else "none", top, port,
+                            args.threads, warm)
+            server = Server(spec, cmd, port, out / f"{spec.replace(':', '-')}-{n}.log")
+            try:
+                server.wait_ready()
+                asyncio.run(_load(server.url, args.model, others, 2, 8, warm))  # warm up, on other questions
+                wall, reqs = asyncio.run(_load(server.url, args.model, questions, n, args.max_tokens, warm))
+            finally:
+                server.stop()
+            row = Row(spec, n, wall, sum(r.tokens for r in reqs if r.error is None), reqs)
+            if n == 1:
+                lone = {r.question: r.text for r in reqs if r.error is None}
+            summary = {**row.summary(lone), "cache": args.cache}
+            results.append({**summary, "detail": [asdict(r) for r in reqs]})
+            print(json.dumps(summary), flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
     _report(results, out / "report.md")
     print(f"report: {out / 'report.md'}")
     return 0

@@ -7,6 +7,7 @@ that are shared with benchmark runs, and two oversubscribed intra-op pools are f
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -26,6 +27,49 @@ os.environ.setdefault("MOASPEC_THREADS", os.environ.get("MOASPEC_TEST_THREADS", 
 SMOL = "smollm2-135m"
 NEAR_TIE = 1e-4  # a top-2 logit margin below this may legitimately flip under float round-off
 DATA_DIRS = sorted(p.parent for p in (Path(__file__).resolve().parents[1] / "data").glob("*/manifest.json"))
+
+
+ALLOW_NO_KERNELS = "MOASPEC_ALLOW_NO_KERNELS"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_kernels: needs the compiled int8/int4/GGUF-block kernels; fails where "
+                            f"they cannot be built (skips with {ALLOW_NO_KERNELS}=1)")
+
+
+@functools.cache
+def kernels_missing() -> str | None:
+    """Why the compiled kernels (those of the default weights, `--weights auto`) cannot be built here, or None."""
+    from moaspec.models import quant
+
+    return quant.unavailable_reason()
+
+
+def require_kernels() -> None:
+    """Fail the calling test where the compiled kernels cannot be built, saying why: `make setup` and `make demo`
+    fall back to fp16 without a compiler, the tests do not. With MOASPEC_ALLOW_NO_KERNELS=1 it is skipped."""
+    if (why := kernels_missing()) is None:
+        return
+    if os.environ.get(ALLOW_NO_KERNELS) == "1":
+        pytest.skip(f"the compiled kernels cannot be built here ({ALLOW_NO_KERNELS}=1): {why}")
+    pytest.fail(f"the compiled kernels cannot be built here: {why}\n(set {ALLOW_NO_KERNELS}=1 to skip the tests "
+                "that need them)", pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """With MOASPEC_ALLOW_NO_KERNELS=1 where the kernels cannot be built, each `needs_kernels` test is marked
+    skipped (the summary then names each one, at its own line)."""
+    marked = [item for item in items if item.get_closest_marker("needs_kernels")]
+    if marked and os.environ.get(ALLOW_NO_KERNELS) == "1" and (why := kernels_missing()):
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=f"the compiled kernels cannot be built here "
+                                                    f"({ALLOW_NO_KERNELS}=1): {why}"))
+
+
+def pytest_runtest_setup(item):
+    """`@pytest.mark.needs_kernels` tests fail where the kernels cannot be built, before any fixture is built."""
+    if item.get_closest_marker("needs_kernels"):
+        require_kernels()
 
 
 def data_dir_params() -> list:

@@ -84,3 +84,50 @@ def test_bench_bad_method_and_missing_checkpoint(tmp_path):
         resolve_methods(BenchConfig(model=SMOL, methods=("moa-n3",), checkpoints=str(tmp_path)))
     methods, notes = resolve_methods(BenchConfig(model=SMOL, checkpoints=str(tmp_path)))
     assert [m.name for m in methods][0] == "plain" and any("moa" in n for n in notes)
+
+
+def _one_turn_question():
+    return next(q for q in load_tasks(["math", "humaneval", "qa"], 2) if len(q.turns) == 1)
+
+
+def test_every_method_prefills_each_question_cold(tmp_path, monkeypatch):
+    """A method answering after plain on the same question prefills the whole prompt, as plain did and as a peer's
+    fresh process does: no method finds another's KV cache (the bench once shared the model's one cache)."""
+    cfg = BenchConfig(model=SMOL, methods=("plain", "suffix", "lookup", "recycling"), tree="3,1,3", out=str(tmp_path))
+    bench = Bench(cfg, resolve_methods(cfg)[0])
+    prefilled: list[int] = []
+    real = bench.dec.target.prefill
+    monkeypatch.setattr(bench.dec.target, "prefill",
+                        lambda tokens, **kw: prefilled.append(len(tokens)) or real(tokens, **kw))
+    q = _one_turn_question()
+    prompt = len(bench.dec.encode([{"role": "user", "content": q.turns[0]}]))
+    for m in bench.methods:
+        prefilled.clear()
+        bench.answer(m, q, 0.0, 6)
+        assert prefilled == [prompt], (m.name, prefilled)  # the whole prompt, in one prefill
+
+
+def test_a_t1_answer_drafts_from_nothing_the_t0_answer_taught(tmp_path, monkeypatch):
+    """Drafters that learn from earlier outputs (the suffix drafter's history, Token Recycling's table) start each
+    (method, question, temperature) afresh: at T=1 they cannot draft from their own T=0 answer to the question."""
+    from moaspec.drafters.recycling import RecyclingDrafter
+    from moaspec.drafters.suffix import SuffixDrafter
+
+    cfg = BenchConfig(model=SMOL, methods=("plain", "suffix", "recycling"), tree="3,1,3", out=str(tmp_path))
+    bench = Bench(cfg, resolve_methods(cfg)[0])
+    q = _one_turn_question()
+    for m in bench.methods[1:]:
+        bench.answer(m, q, 0.0, 24)
+    seen: dict[str, int] = {}
+    for cls, learnt in ((SuffixDrafter, lambda d: len(d.outputs) + len(d.context)),
+                        (RecyclingDrafter, lambda d: len(d.table))):
+        real = cls.begin
+
+        def begin(self, prompt, context=None, real=real, learnt=learnt):
+            seen.setdefault(self.name, learnt(self))  # before this answer adds anything
+            return real(self, prompt, context)
+
+        monkeypatch.setattr(cls, "begin", begin)
+    for m in bench.methods[1:]:
+        bench.answer(m, q, 1.0, 24)
+    assert seen == {"suffix": 0, "recycling": 0}

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, quants
 from moaspec.errors import UserError
 from moaspec.models import blocks, quant
 
-pytestmark = pytest.mark.skipif(not quant.available(), reason="the compiled kernels cannot be built here")
+pytestmark = pytest.mark.needs_kernels
 
 SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
           "Q6_K": (208,)}  # where each format's fp16 fields lie in a block

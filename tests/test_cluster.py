@@ -121,3 +121,6 @@ def test_the_ray_it_starts_needs_a_token_and_its_proxy_listens_on_loopback(repli
     assert "JOINED" in join({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}).stdout  # the address is right
     refused = join({})
     assert refused.returncode != 0 and "JOINED" not in refused.stdout
+    # refused for the token (Ray's AuthenticationError from the GCS), not for any other failure to join
+    assert "ray.exceptions.AuthenticationError" in refused.stderr, refused.stderr[-3000:]
+    assert "InvalidAuthToken: Authentication token is missing or incorrect" in refused.stderr, refused.stderr[-3000:]

@@ -22,7 +22,6 @@ from moaspec.decoding.target import LocalTarget
 from moaspec.decoding.tree import TreeConfig
 from moaspec.drafters import SPECS, shipped_checkpoint
 from moaspec.drafters.layers import CrossAttentionLayer, DecoderLayer, KVCache, rope
-from moaspec.models import quant
 from moaspec.models.runtime import Transformer, signed_sin
 from moaspec.models.store import weights_fingerprint
 
@@ -95,7 +94,7 @@ def test_block_kernels_follow_weight_updates_and_mode():
     assert layer.kernels().qkv.packed is not None  # fbgemm fp16
 
 
-@pytest.mark.skipif(not quant.available(), reason="the compiled kernels cannot be built here")
+@pytest.mark.needs_kernels
 def test_fused_fp16_blocks_match_the_op_by_op_path():
     """fp16 blocks run norm + projection + RoPE and the residual tail as two compiled calls each; on the
     same fp16 weights they compute what the op-by-op path computes (up to float summation order): SA with
@@ -159,7 +158,7 @@ def test_encoder_encode_matches_forward(smol_folder, weights):
     assert (gathered - ref[[3, 7, 1]]).abs().max() < tol * ref.abs().max()
 
 
-@pytest.mark.parametrize("head", ["fp16", "int8"])
+@pytest.mark.parametrize("head", ["fp16", pytest.param("int8", marks=pytest.mark.needs_kernels)])
 def test_fp16_drafts_match_reference_math_on_shipped_checkpoint(smol_folder, smol_tokenizer, monkeypatch, head):
     """Greedy speculative decoding with the shipped SmolLM2 MoA checkpoint, fp16 weights, 4-token chains:
     the output is plain greedy's, and at every draft step (root and drafted nodes, a few hundred) the
@@ -169,8 +168,8 @@ def test_fp16_drafts_match_reference_math_on_shipped_checkpoint(smol_folder, smo
     fp16."""
     if head == "fp16":
         monkeypatch.setattr(trained, "head_mode", lambda weights: weights)
-    elif trained.head_mode("fp16") != "int8":
-        pytest.skip("the int8 kernels are not available here")
+    else:
+        assert trained.head_mode("fp16") == "int8"
     near_tie, max_ties = {"fp16": (NEAR_TIE, 0.01), "int8": (INT8_NEAR_TIE, 0.07)}[head]
     target = Transformer(smol_folder, weights="fp16", max_seq_len=512)
     d = SPECS["moa"].load(shipped_checkpoint("moa", SMOL), target, SMOL, weights_fingerprint(smol_folder))

@@ -14,13 +14,13 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from tokenizers import Tokenizer
 
-from moaspec.models import quant, store
+from moaspec.models import store
 from moaspec.models.gguf_file import GGUFFile, build_tokenizer
 from moaspec.models.store import ModelStoreError
 from moaspec.models.weights import RowTable, gguf_path, open_weights
 
 SMOL = "smollm2-135m"
-needs_kernels = pytest.mark.skipif(not quant.available(), reason="the compiled kernels cannot be built here")
+needs_kernels = pytest.mark.needs_kernels
 
 
 @pytest.fixture

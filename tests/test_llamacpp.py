@@ -56,10 +56,15 @@ def test_plain_and_speculative_outputs_are_read(programs):
     _program(programs, llamacpp.LOOKUP, "\n\n<|im_start|>user hi<|im_end|> Hello again\n\n", SPEC_ERR)
     assert llamacpp.missing() is None
     a = llamacpp.generate("<|im_start|>user hi<|im_end|>", programs / "m.gguf", 20, temperature=1.0, seed=7)
-    assert (a.text, a.new_tokens, a.prompt_s, a.decode_s) == ("def f(x):\n    return x", 20, 0.1205, 0.54)
+    # the generation time is llama.cpp's eval timer (530 ms), not its total less the prompt (540 ms)
+    assert (a.text, a.new_tokens, a.prompt_s, a.decode_s) == ("def f(x):\n    return x", 20, 0.1205, 0.53)
+    assert a.prompt_tokens == 30
     args = (programs / f"{llamacpp.PLAIN}.args").read_text().split()
     assert args[args.index("--temp") + 1] == "1" and args[args.index("--top-k") + 1] == "0"
     assert args[args.index("--seed") + 1] == "7" and "-no-cnv" in args
+    assert "--no-warmup" not in args  # it warms up, as our decoders do
+    with pytest.raises(UserError, match="as 30 tokens where ours has 31"):
+        llamacpp.generate("<|im_start|>user hi<|im_end|>", programs / "m.gguf", 20, prompt_tokens=31)
 
     s = llamacpp.generate("<|im_start|>user hi<|im_end|>", programs / "m.gguf", 24, draft_gguf=programs / "d.gguf")
     assert (s.text, s.new_tokens, s.drafted, s.accepted) == ("Hello there", 24, 27, 15)

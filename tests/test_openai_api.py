@@ -603,10 +603,14 @@ def test_tool_calls_round_trip_in_the_json_format_and_equal_a_drafterless_answer
     assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
-    named = client.chat.completions.create(**base, tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           parallel_tool_calls=False)
+    named_kw = dict(**base, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                    parallel_tool_calls=False)
+    named = client.chat.completions.create(**named_kw)
     calls = named.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_time"] and "zone" in json.loads(calls[0].function.arguments)
+    plain = client.chat.completions.create(**named_kw, extra_body={"drafter": "none"})
+    assert [(c.function.name, c.function.arguments) for c in plain.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in calls]
 
     streamed: dict[int, dict] = {}
     for ch in client.chat.completions.create(**base, tool_choice="required", stream=True):
@@ -621,10 +625,14 @@ def test_tool_calls_round_trip_in_the_json_format_and_equal_a_drafterless_answer
 
     follow = [*ASK_WEATHER, choice.message.model_dump(exclude_none=True),
               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
-    again = client.chat.completions.create(**{**base, "messages": follow, "tools": [WEATHER]}, tool_choice="auto")
-    assert again.choices[0].finish_reason in ("stop", "tool_calls", "length")
-    if again.choices[0].finish_reason == "stop":
-        assert isinstance(again.choices[0].message.content, str)
+    after = {**base, "messages": follow, "tools": [WEATHER], "tool_choice": "auto"}
+    again = client.chat.completions.create(**after).choices[0]
+    assert again.finish_reason in ("stop", "tool_calls", "length")
+    assert again.message.content or again.message.tool_calls  # the result turn gets an answer
+    plain = client.chat.completions.create(**after, extra_body={"drafter": "none"}).choices[0]
+    assert (again.finish_reason, again.message.content) == (plain.finish_reason, plain.message.content)
+    assert [(c.function.name, c.function.arguments) for c in again.message.tool_calls or []] == \
+        [(c.function.name, c.function.arguments) for c in plain.message.tool_calls or []]
     none = client.chat.completions.create(**base, tool_choice="none")
     assert none.choices[0].message.tool_calls is None
     assert none.choices[0].message.content == client.chat.completions.create(
@@ -701,6 +709,10 @@ def test_qwen_calls_tools_in_its_own_syntax_and_reads_their_results():
             "role": "tool", "tool_call_id": call.tool_calls[0].id, "content": '{"temperature": 18, "sky": "clear"}'}]
         answer = c.chat.completions.create(**{**base, "messages": follow}, tool_choice="none")
         assert answer.choices[0].finish_reason == "stop" and "18" in answer.choices[0].message.content
+        plain = c.chat.completions.create(**{**base, "messages": follow}, tool_choice="none",
+                                          extra_body={"drafter": "none"})  # the same answer as with no drafter
+        assert answer.choices[0].message.content == plain.choices[0].message.content
+        assert answer.choices[0].message.tool_calls is None and plain.choices[0].message.tool_calls is None
         deltas = [d for ch in c.chat.completions.create(**base, tool_choice="required", stream=True)
                   if ch.choices for d in ch.choices[0].delta.tool_calls or []]
         assert [(d.function.name, d.function.arguments) for d in deltas] == \
@@ -739,6 +751,15 @@ def test_responses_api_answers_as_chat_does_and_streams_typed_events(served, cli
              {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, clear"}]
     after = client.responses.create(model=SMOL, input=items, tools=[tool], max_output_tokens=64, temperature=0)
     assert after.status in ("completed", "incomplete") and after.output
+    # the result turn's answer is the drafterless chat answer to the same conversation
+    asked = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    plain = client.chat.completions.create(
+        model=SMOL, tools=[WEATHER], max_tokens=64, temperature=0, extra_body={"drafter": "none"}, messages=[
+            ASK_WEATHER[0], {"role": "assistant", "content": None, "tool_calls": [asked]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, clear"}]).choices[0]
+    assert after.output_text == (plain.message.content or "")
+    assert [(c.name, c.arguments) for c in after.output if c.type == "function_call"] == \
+        [(c.function.name, c.function.arguments) for c in plain.message.tool_calls or []]
     streamed = list(client.responses.create(model=SMOL, input=ASK_WEATHER[0]["content"], tools=[tool],
                                             tool_choice="required", max_output_tokens=64, temperature=0, stream=True))
     done = [e.arguments for e in streamed if e.type == "response.function_call_arguments.done"]

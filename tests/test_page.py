@@ -29,8 +29,21 @@ from moaspec.serving.target_server import TargetServer, load_encoders
 
 SMOL = "smollm2-135m"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# where `make browser` can install Debian's chromium (root, apt-get), its absence fails the tests; elsewhere they skip
+ROOT_WITH_APT = hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get") is not None
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (make setup installs it)")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here: `make browser` installs Debian's (as root)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None and not ROOT_WITH_APT,
+                                reason="no Chromium here, and not root with apt-get: `make browser` installs Debian's "
+                                "chromium as root")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _chromium_here():
+    """On a root + apt-get machine without chromium: fail at once, before the model and servers are built."""
+    if CHROMIUM is None:
+        pytest.fail("no chromium on PATH, though this is root with apt-get: `make browser` installs Debian's "
+                    "(apt-get install chromium) and failed or was not run", pytrace=False)
+
 
 # a prompt whose answer repeats what it was given: the lookup drafter's drafts are accepted there
 PROMPT = "Repeat this list three times, one item per line: apple, banana, cherry, date."

@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 import torch
+from conftest import require_kernels
 from openai import OpenAI
 from servers import Running
 
@@ -50,8 +51,8 @@ def test_a_warm_turn_equals_the_same_turn_cold(weights, seed):
     """3 turns with a 150-token system prompt, the suffix drafter: every warm answer equals the cold one; from
     turn 2 the conversation so far comes from the cache (row-invariant modes: all but the new turn's tokens;
     fp16: whole prefill chunks)."""
-    if weights != "fp16" and not quant.available():
-        pytest.skip("the compiled kernels cannot be built here")
+    if weights != "fp16":
+        require_kernels()
     dec = SpecDecoder(SMOL, drafter="suffix", weights=weights, tree="adaptive:4", warmup=False)
     cold = SpecDecoder(SMOL, drafter="suffix", weights=weights, tree="adaptive:4", warmup=False)
     sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.8, seed=seed)
@@ -65,10 +66,9 @@ def test_a_warm_turn_equals_the_same_turn_cold(weights, seed):
             assert cached >= n - 40, turns  # the previous turns all but their ending's re-tokenised tail
 
 
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("drafter", ["none", "lookup", "recycling"])
 def test_every_token_drafter_keeps_a_conversation_lossless(drafter):
-    if not quant.available():
-        pytest.skip("the compiled kernels cannot be built here")
     dec = SpecDecoder(SMOL, drafter=drafter, weights="gguf", tree="adaptive:4", warmup=False)
     cold = SpecDecoder(SMOL, drafter=drafter, weights="gguf", tree="adaptive:4", warmup=False)
     turns = _conversation(dec, cold, GenerationConfig(max_new_tokens=24))
@@ -176,11 +176,10 @@ SUBJECTS = ["strings", "lists", "files", "dates", "numbers", "sets", "dicts", "c
 
 
 @pytest.mark.slow
+@pytest.mark.needs_kernels
 def test_208_conversations_warm_equal_cold_in_every_mode_and_drafter():
     """4 weight modes x 4 token drafters x 13 conversations of 3 turns (the issue's >= 200 conversation x
     drafter runs): every warm turn token-identical to the same turn cold."""
-    if not quant.available():
-        pytest.skip("the compiled kernels cannot be built here")
     runs = mismatches = 0
     for weights in MODES:
         for drafter in ("none", "lookup", "suffix", "recycling"):

@@ -21,7 +21,7 @@ from moaspec.models.linear import Linear
 from moaspec.models.runtime import Transformer
 from moaspec.pipeline import SpecDecoder
 
-pytestmark = pytest.mark.skipif(not quant.available(), reason="the int8/int4 kernels cannot be built here")
+pytestmark = pytest.mark.needs_kernels
 
 KERNEL_CHECK = """
 import torch

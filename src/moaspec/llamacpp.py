@@ -4,8 +4,11 @@ files our models ship as (quantised weights, which we run de-quantised to fp32 o
 
 The programs are built from the llama.cpp that llama-cpp-python vendors (`make llama-cpp`, about
 5 minutes) into ``~/.cache/moaspec/llama.cpp/build/bin``; ``$MOASPEC_LLAMA_CPP`` points elsewhere.
-Each answer is one process; the times are llama.cpp's own (prompt + generation, model load left
-out), as our engine's are.
+Each answer is one process, warmed up as our decoders are (llama.cpp's own warm-up pass, its timers reset
+after it); the times are llama.cpp's own timers: `prompt eval` for the prompt and `eval` for the generation
+(its sampling and printing left out, where our engine's wall time counts everything after the load). The
+prompt is checked to be as many tokens on both sides (`prompt_tokens`): a chat prompt whose text opens with
+the BOS that llama.cpp adds itself is passed without it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from moaspec.errors import UserError
@@ -43,6 +47,21 @@ class LlamaCppAnswer:
     decode_s: float
     drafted: int = 0
     accepted: int = 0
+    prompt_tokens: int = 0  # as llama.cpp counted them
+
+
+@lru_cache(maxsize=16)
+def adds_bos(gguf: Path) -> bool:
+    """Whether llama.cpp puts a BOS token before a prompt it tokenizes (the file's `add_bos_token`; llama.cpp
+    adds one unless the file says not to, for a vocabulary that has a BOS)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    flag = fields.get("tokenizer.ggml.add_bos_token")
+    if flag is not None:
+        return bool(flag.parts[flag.data[0]][0])
+    return "tokenizer.ggml.bos_token_id" in fields and \
+        bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
 
 
 def _sampling(temperature: float, seed: int) -> list[str]:
@@ -71,34 +90,42 @@ def _num(pattern: str, text: str, what: str) -> list[str]:
 
 def generate(prompt: str, model_gguf: Path, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
              draft_gguf: Path | None = None, threads: int = 2, ctx: int = 4096,
-             timeout: float = 1800, raw: bool = False, lookup: bool = False) -> LlamaCppAnswer:
+             timeout: float = 1800, raw: bool = False, lookup: bool = False,
+             prompt_tokens: int | None = None) -> LlamaCppAnswer:
     """One answer to an already chat-templated `prompt` (special tokens are parsed, as our tokenizer does);
     `raw`: the plain program's text as written (a code completion keeps its leading indentation);
-    `lookup`: llama.cpp's prompt-lookup decoding (`llama-lookup`, n-grams of the context as drafts)."""
+    `lookup`: llama.cpp's prompt-lookup decoding (`llama-lookup`, n-grams of the context as drafts);
+    `prompt_tokens`: the prompt's length on our side, which llama.cpp's count must equal (else the two sides
+    would not have answered the same prompt)."""
     if why := missing((PLAIN, LOOKUP if lookup else SPEC)):
         raise UserError(f"llama.cpp is not built: {why}")
     common = ["-m", str(model_gguf), "-p", prompt, "-n", str(max_new_tokens), "-c", str(ctx), "-t", str(threads),
               *_sampling(temperature, seed)]
     if draft_gguf is None and not lookup:
-        flags = ["--no-warmup", "-no-cnv", "--no-display-prompt", "--simple-io"]
-        out, err = _run([str(bin_dir() / PLAIN), *common, *flags], timeout)
+        out, err = _run([str(bin_dir() / PLAIN), *common, "-no-cnv", "--no-display-prompt", "--simple-io"], timeout)
         p_ms, n_prompt = _num(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", err, "the prompt time")
-        total_ms, = _num(r"total time =\s*([\d.]+) ms", err, "the total time")
+        e_ms, = _num(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*\d+ runs", err, "the generation time")
         sampled, = _num(r"samplers time =\s*[\d.]+ ms /\s*(\d+) tokens", err, "the token count")
         n = int(sampled) - int(n_prompt)
         n -= n < max_new_tokens  # it stopped on an end-of-generation token, which our count leaves out
-        return LlamaCppAnswer(out if raw else out.strip(), n, float(p_ms) / 1e3, (float(total_ms) - float(p_ms)) / 1e3)
-    if lookup:
-        out, err = _run([str(bin_dir() / LOOKUP), *common], timeout)
+        a = LlamaCppAnswer(out if raw else out.strip(), n, float(p_ms) / 1e3, float(e_ms) / 1e3,
+                           prompt_tokens=int(n_prompt))
     else:
-        out, err = _run([str(bin_dir() / SPEC), *common, "--spec-type", "draft-simple", "-md", str(draft_gguf),
-                         "-td", str(threads)], timeout)
-    enc, = _num(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", err, "the prompt time")
-    n, dec = _num(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "the generation time")
-    drafted, = _num(r"n_drafted\s*=\s*(\d+)", err, "the drafted count")
-    accepted, = _num(r"n_accept\s*=\s*(\d+)", err, "the accepted count")
-    text = out.strip()
-    head = prompt.strip()
-    if text.startswith(head):  # the program echoes the prompt first
-        text = text[len(head):].strip()
-    return LlamaCppAnswer(text, int(n), float(enc), float(dec), int(drafted), int(accepted))
+        if lookup:
+            out, err = _run([str(bin_dir() / LOOKUP), *common], timeout)
+        else:
+            out, err = _run([str(bin_dir() / SPEC), *common, "--spec-type", "draft-simple", "-md", str(draft_gguf),
+                             "-td", str(threads)], timeout)
+        n_prompt, enc = _num(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "the prompt time")
+        n, dec = _num(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, "the generation time")
+        drafted, = _num(r"n_drafted\s*=\s*(\d+)", err, "the drafted count")
+        accepted, = _num(r"n_accept\s*=\s*(\d+)", err, "the accepted count")
+        text = out.strip()
+        head = prompt.strip()
+        if text.startswith(head):  # the program echoes the prompt first
+            text = text[len(head):].strip()
+        a = LlamaCppAnswer(text, int(n), float(enc), float(dec), int(drafted), int(accepted), int(n_prompt))
+    if prompt_tokens is not None and a.prompt_tokens != prompt_tokens:
+        raise UserError(f"llama.cpp read the prompt as {a.prompt_tokens} tokens where ours has {prompt_tokens}: the "
+                        "two sides would not answer the same prompt (a doubled BOS, or special tokens read as text)")
+    return a

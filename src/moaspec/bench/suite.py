@@ -2,7 +2,10 @@
 would otherwise pick.
 
 Every method answers every question in turn (interleaved per question, so machine drift hits all
-alike) on one loaded copy of the target. Answers go to FastChat-style JSON lines, one file per
+alike) on one loaded copy of the target. Each answer starts cold, as a peer's fresh process does: every
+turn prefills its whole prompt (no KV cache kept from another method, question or turn) and every
+(method, question, temperature) gets a drafter built afresh (no suffix history, Token Recycling table or
+adaptive tree state learnt from other answers). Answers go to FastChat-style JSON lines, one file per
 method and temperature (`bench.answers`), which are the record: the report (`bench.report`) is
 computed from them alone, and an interrupted run resumes from them.
 
@@ -21,6 +24,7 @@ Methods:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -161,6 +165,8 @@ class TurnResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens found in a KV cache instead of prefilled (0: a cold start)
+    prompt_tokens: int = 0  # the prompt's length as this method read it (a peer's own count)
     new_tokens: int = 0
     target_calls: int = 0  # forward passes of the target after prefill (0: not reported)
     drafted_tokens: int = 0  # draft nodes sent to verification
@@ -179,19 +185,21 @@ class Bench:
         self.cfg = cfg
         self.methods = methods
         self.dec = SpecDecoder(cfg.model, drafter="none", weights=cfg.weights)
-        self.engines: dict[str, Engine] = {}
-        self.trees: dict[str, TreeConfig] = {}
+        self.trees: dict[str, TreeConfig | None] = {}
         for m in methods:
-            if m.name in PEERS:
-                continue
-            tree = (trees or {}).get(m.name) or self._tree()
-            self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
-                                 hybrid_model=m.hybrid_model, hybrid_policy=m.policy, datastore=m.datastore)
-            self.engines[m.name] = self.dec.engine
-            self.trees[m.name] = self.dec.engine.tree
+            if m.name not in PEERS:  # the tree `auto` resolves to, once: every fresh drafter then takes it
+                self.trees[m.name] = self.fresh_engine(m, (trees or {}).get(m.name) or self._tree()).tree
         self._hf = None
         self._assistant = None
         self._ggufs: dict[str, Path] = {}
+
+    def fresh_engine(self, method: Method, tree: TreeConfig | str | None = None) -> Engine:
+        """An engine with a drafter built afresh for `method` (nothing learnt from earlier answers), over
+        the one loaded target; `tree` defaults to the method's resolved tree."""
+        tree = self.trees.get(method.name) if tree is None else tree
+        self.dec.set_drafter(method.drafter, draft_model=method.draft_model, drafter_path=method.path, tree=tree,
+                             hybrid_model=method.hybrid_model, hybrid_policy=method.policy, datastore=method.datastore)
+        return self.dec.engine
 
     def _tree(self) -> TreeConfig | str:
         if self.cfg.tree == "sweep":
@@ -200,9 +208,10 @@ class Bench:
 
     # ---------------------------------------------------------------- one answer
     def answer(self, method: Method, q: Question, temperature: float, max_new_tokens: int | None = None,
-               turns: int | None = None, engine: Engine | None = None) -> list[TurnResult]:
-        """All turns of a question; a later turn sees this method's own earlier answers. `engine`
-        overrides the method's own (the sweep's trees)."""
+               turns: int | None = None, tree: TreeConfig | None = None) -> list[TurnResult]:
+        """All turns of a question; a later turn sees this method's own earlier answers in its prompt, but
+        prefills it cold. `tree` overrides the method's own (the sweep's trees)."""
+        engine = None if method.name in PEERS else self.fresh_engine(method, tree)
         messages: list[dict] = []
         out = []
         for i, turn in enumerate(q.turns[:turns]):
@@ -217,28 +226,32 @@ class Bench:
             elif method.name in PEERS:
                 r = self._peer(method, ids, gen)
             else:
-                r = self._engine(engine or self.engines[method.name], ids, gen)
+                r = self._engine(engine, ids, gen)
             out.append(r)
             messages.append({"role": "assistant", "content": r.text})
         return out
 
     def _engine(self, engine: Engine, ids: list[int], gen: GenerationConfig) -> TurnResult:
         self.dec.engine = engine
+        self.dec.target.reset()  # a cold start: the whole prompt is prefilled, as by a peer's new process
         g = self.dec.generate(ids, gen)
         m = g.metrics
         return TurnResult(g.text, g.token_ids, m.total_s, list(m.accept_lengths), m.draft_s, m.verify_s, m.prefill_s,
-                          drafted_tokens=m.drafted_tokens)
+                          cached_tokens=m.cached_tokens, prompt_tokens=len(ids), drafted_tokens=m.drafted_tokens)
 
     def _llama_cpp(self, method: Method, ids: list[int], gen: GenerationConfig) -> TurnResult:
         """llama.cpp on the same rendered prompt (special tokens kept as text, which it parses back)."""
-        prompt = self.dec.tokenizer.decode(ids, skip_special_tokens=False)
+        gguf = self._gguf(self.cfg.model)
+        bos = self.dec.tokenizer.bos_token_id
+        text_ids = ids[1:] if ids and ids[0] == bos and llamacpp.adds_bos(gguf) else ids  # it adds its own
+        prompt = self.dec.tokenizer.decode(text_ids, skip_special_tokens=False)
         draft = self._gguf(method.draft_model) if method.draft_model else None
         lookup = method.name == "llama.cpp-lookup"
-        a = llamacpp.generate(prompt, self._gguf(self.cfg.model), gen.max_new_tokens, gen.sampling.temperature,
-                              gen.sampling.seed or 0, draft_gguf=draft, threads=torch.get_num_threads(), lookup=lookup)
+        a = llamacpp.generate(prompt, gguf, gen.max_new_tokens, gen.sampling.temperature, gen.sampling.seed or 0,
+                              draft_gguf=draft, threads=torch.get_num_threads(), lookup=lookup, prompt_tokens=len(ids))
         calls = a.new_tokens - a.accepted if draft or lookup else a.new_tokens
         return TurnResult(a.text, None, a.prompt_s + a.decode_s, prefill_s=a.prompt_s, new_tokens=a.new_tokens,
-                          target_calls=calls)
+                          target_calls=calls, prompt_tokens=a.prompt_tokens)
 
     def _gguf(self, model: str) -> Path:
         """The checked GGUF of a model, looked up once per run (the lookup reads package metadata)."""
@@ -255,6 +268,10 @@ class Bench:
         if method.name == "hf-assisted":
             if self._assistant is None:
                 self._assistant = reference_model(resolve(method.draft_model))
+                self._assistant_config = copy.deepcopy(self._assistant.generation_config)
+            # its heuristic schedule tunes the draft length in the assistant's config across calls: each
+            # answer starts from the default, as every engine drafter starts afresh
+            self._assistant.generation_config = copy.deepcopy(self._assistant_config)
             kw["assistant_model"] = self._assistant
         t = gen.sampling.temperature
         if t > 0:
@@ -272,7 +289,7 @@ class Bench:
         new = y[0, len(ids):].tolist()
         cut = next((i for i, tok in enumerate(new) if tok in eos), len(new))
         new = new[:cut]
-        return TurnResult(self.dec.tokenizer.decode(new, skip_special_tokens=True), new, wall)
+        return TurnResult(self.dec.tokenizer.decode(new, skip_special_tokens=True), new, wall, prompt_tokens=len(ids))
 
     # ---------------------------------------------------------------- the tree sweep
     def sweep(self, questions: list[Question], trees: tuple[TreeConfig, ...] = SWEEP_TREES) -> dict:
@@ -280,23 +297,21 @@ class Bench:
         against plain decoding; the best tree per method. Adaptive trees wider than a chain only for
         drafters whose siblings come from one draft step (`Drafter.branching`)."""
         cands = {m.name: m for m in self.methods if m.name not in PEERS and m.name != "plain"}
-        engines = {}
+        keys = []
         for name, m in cands.items():
             for tree in trees:
-                self.dec.set_drafter(m.drafter, draft_model=m.draft_model, drafter_path=m.path, tree=tree,
-                                     hybrid_model=m.hybrid_model, hybrid_policy=m.policy, datastore=m.datastore)
-                if not tree.adaptive or tree.topk == 1 or self.dec.drafter.branching:
-                    engines[(name, tree)] = self.dec.engine
+                if not tree.adaptive or tree.topk == 1 or self.fresh_engine(m, tree).drafter.branching:
+                    keys.append((name, tree))
         plain = Method("plain")
-        tok = {k: 0 for k in engines} | {("plain", None): 0}
+        tok = {k: 0 for k in keys} | {("plain", None): 0}
         secs = dict.fromkeys(tok, 0.0)
-        taus: dict = {k: [] for k in engines}
+        taus: dict = {k: [] for k in keys}
         for q in tqdm(questions, desc="tree sweep", unit="question"):
             r = self.answer(plain, q, 0.0, self.cfg.sweep_tokens, turns=1)[0]
             tok[("plain", None)] += r.new_tokens
             secs[("plain", None)] += r.wall_time
-            for key, engine in engines.items():
-                r = self.answer(cands[key[0]], q, 0.0, self.cfg.sweep_tokens, turns=1, engine=engine)[0]
+            for key in keys:
+                r = self.answer(cands[key[0]], q, 0.0, self.cfg.sweep_tokens, turns=1, tree=key[1])[0]
                 tok[key] += r.new_tokens
                 secs[key] += r.wall_time
                 taus[key] += r.accept_lengths
@@ -304,7 +319,7 @@ class Bench:
         rows = [{"method": name, "tree": asdict(tree), "tokens_per_s": round(tok[(name, tree)] / secs[(name, tree)], 3),
                  "speedup": round(tok[(name, tree)] / secs[(name, tree)] / base, 3),
                  "tau": round(sum(taus[(name, tree)]) / max(1, len(taus[(name, tree)])), 3)}
-                for name, tree in engines]
+                for name, tree in keys]
         best = {name: max((r for r in rows if r["method"] == name), key=lambda r: r["tokens_per_s"])["tree"]
                 for name in cands}
         return {"plain_tokens_per_s": round(base, 3), "rows": rows, "best": best}
@@ -326,6 +341,8 @@ def answer_record(model: str, method: str, q: Question, turns: list[TurnResult],
             "drafted_tokens": [t.drafted_tokens for t in turns],
             "wall_time": [round(t.wall_time, 4) for t in turns],
             "prefill_time": [round(t.prefill_s, 4) for t in turns],
+            "cached_tokens": [t.cached_tokens for t in turns],
+            "prompt_tokens": [t.prompt_tokens for t in turns],
             "draft_time": [round(t.draft_s, 4) for t in turns],
             "verify_time": [round(t.verify_s, 4) for t in turns],
             "accept_lengths": [t.accept_lengths for t in turns],
@@ -348,7 +365,7 @@ def run(cfg: BenchConfig) -> Path:
         old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
         meta["sweep"] = old.get("sweep") or bench.sweep(_spread(questions, cfg.sweep_questions))
         bench = Bench(cfg, methods, {k: TreeConfig(**v) for k, v in meta["sweep"]["best"].items()})
-    meta["trees"] = {k: asdict(v) for k, v in bench.trees.items()}
+    meta["trees"] = {k: asdict(v) if v else None for k, v in bench.trees.items()}
     meta["methods"] = [m.name for m in methods]
     meta["config"]["weights"] = bench.dec.target.weights  # what `auto` resolved to
     (out / "meta.json").write_text(json.dumps(meta, indent=1))

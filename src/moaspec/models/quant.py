@@ -86,7 +86,16 @@ def source_tag() -> str:
 
 
 def available() -> bool:
-    return kernels_or_none() is not None
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled extension cannot be built or loaded here (the build's own error), or None where it can."""
+    try:
+        kernels()
+    except UserError as e:
+        return str(e)
+    return None
 
 
 def kernels_or_none():

@@ -956,12 +956,13 @@ class Transformer:
                 self.forward(torch.zeros(n, dtype=torch.long, device=self.device))
 
     def pass_costs(self, ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32), context: int = 32,
-                   reps: int = 2) -> dict[int, float]:
+                   reps: int = 2, statistic: Callable[[list[float]], float] = min) -> dict[int, float]:
         """Milliseconds of one pass over k new rows after `context` cached tokens: what
         verifying a k-row draft tree costs on this machine. Leaves the cache empty. The defaults are a model's
         first-run calibration (`SpecDecoder.pass_costs`): up to 32 rows, the most a CPU tree verifies, best of
         2 after one untimed widest pass, over a short context (on a Qwen 1.5B first run: ~6 s with 64 rows, best of 5,
-        at 128 tokens; ~3 s with 32 rows, best of 3; ~1.6 s now)."""
+        at 128 tokens; ~3 s with 32 rows, best of 3; ~1.6 s now). `statistic` of the `reps` timings: the least disturbed
+(min) for calibration; a benchmark beside a peer takes the peer's (the median)."""
         self.reset()
         ks = tuple(k for k in ks if context + k <= self.max_seq_len)
         self.forward(torch.zeros(context, dtype=torch.long, device=self.device))
@@ -978,7 +979,7 @@ class Transformer:
                     torch.cuda.synchronize()
                 times[k].append(time.perf_counter() - t)
         self.reset()
-        return {k: min(v) * 1e3 for k, v in times.items()}  # least disturbed: other load only adds time
+        return {k: statistic(v) * 1e3 for k, v in times.items()}
 
     def num_parameters(self) -> int:
         return self.cfg.vocab_size * self.cfg.hidden_size + self.norm.numel() + sum(
