@@ -39,6 +39,16 @@ async def _turn(http: httpx.AsyncClient, url: str, model: str, messages: list[di
                 cache_prompt: bool = True) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "cache_prompt": cache_prompt}
+    for attempt in range(2):  # a kept-alive connection the server closed meanwhile fails at once: once more
+        try:
+            return await _streamed(http, url, body)
+        except httpx.RemoteProtocolError:
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _streamed(http: httpx.AsyncClient, url: str, body: dict) -> dict:
     t0 = time.perf_counter()
     first, parts, usage = None, [], {}
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:

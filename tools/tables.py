@@ -125,7 +125,9 @@ def end_to_end(run: str, *methods: str) -> str:
     for m in methods:
         r = rows[(m, 0.0)]
         tau = f", tau {r['tau']:.2f}" if m != "plain" and r["tau"] else ""
-        lines.append(f"| {m} | **{_x(r['tokens_per_s'], peer)}** ({r['tokens_per_s']:.1f} tok/s{tau}) |")
+        ratio = _x(r["tokens_per_s"], peer) if m == "plain" else f"**{_x(r['tokens_per_s'], peer)}**"
+        label = "suffix (`--drafter auto`, the default)" if m == "suffix" else m
+        lines.append(f"| {label} | {ratio} ({r['tokens_per_s']:.1f} tok/s{tau}) |")
     lines.append(f"| llama.cpp plain | 1.00x ({peer:.1f} tok/s) |")
     return "\n".join(lines)
 

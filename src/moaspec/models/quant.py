@@ -75,7 +75,12 @@ def kernels():
                 shutil.rmtree(build, ignore_errors=True)
                 build.mkdir(parents=True, exist_ok=True)
                 continue
-            raise UserError(f"could not build the int8/int4 kernels ({type(e).__name__}: {str(e)[-300:]}); "
+            cxx = os.environ.get("CXX", "c++")  # what torch's cpp_extension compiles with
+            if shutil.which(cxx) is None:
+                raise UserError(f"could not build the int8/int4 kernels: no C++ compiler ({cxx!r} is not on PATH); "
+                                "install g++ and python3-dev (or point $CXX at one), or use --weights fp16") from e
+            tail = str(e)[-400:].partition("\n")[2] or str(e)[-400:]  # the last lines, whole
+            raise UserError(f"could not build the int8/int4 kernels ({type(e).__name__}: {tail.strip()}); "
                             "install a C++ compiler (g++) and python3-dev, or use --weights fp16") from e
     raise AssertionError("unreachable")
 
