@@ -383,6 +383,14 @@ def test_concurrent_requests_decode_together_and_equal_lone_answers(batched):
     assert api.gen.admission.holders == 0 and sum(map(len, api.gen.idle.values())) <= 8
     metrics = httpx.get(run.url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "moaspec_batch_sequences_bucket" in metrics and "moaspec_generations_waiting" in metrics
+    # what speculation did, over every generation above: the trees' size and tau, consistent with the counts
+    got = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+           if line.startswith(("moaspec_target_calls", "moaspec_draft_", "moaspec_tau"))}
+    calls, drafted, accepted = got["moaspec_target_calls"], got["moaspec_draft_tokens"], \
+        got["moaspec_draft_tokens_accepted"]
+    assert calls > 0 and 0 <= accepted <= drafted
+    assert got["moaspec_tau"] == pytest.approx(1 + accepted / calls)
+    assert got["moaspec_draft_rows_per_call"] == pytest.approx(drafted / calls)
 
 
 def test_full_queue_is_503_with_retry_after(batched):

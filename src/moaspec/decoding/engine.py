@@ -227,7 +227,7 @@ class Engine:
             forced = tree.origins.get(1) == GRAMMAR
             if self.adapt is not None and not forced:
                 self.adapt.update(max(tree.depths), len(v.accepted), draft_s, t3 - t2, step.target_ms / 1e3,
-                                  rows=len(tree) - 1)
+                                  rows=len(tree) - 1, pass_rows=step.pass_rows or None)
             m.draft_s += draft_s
             m.verify_s += t3 - t2
             m.accept_lengths.append(len(v.accepted) + 1)

@@ -328,6 +328,8 @@ class Scheduler:
         s.rows += rows
         s.sequences += len(batch)
         for item, out in zip(batch, outs, strict=True):
+            if isinstance(out, ForwardOut):
+                out.pass_rows = rows  # what a slot's rows shared the pass with (an adaptive tree prices by it)
             self._hand(item, out)
 
     def _hand(self, item: _Item, out: ForwardOut | BaseException) -> None:

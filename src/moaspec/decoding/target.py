@@ -122,6 +122,7 @@ class Step:
     target_ms: float = 0.0  # the target's own time for the step (a remote caller's rest is the network)
     cached: int = 0  # a start's prompt tokens found in a kept KV cache (not prefilled)
     logprobs: list[TokenLogprob] | None = None  # per new token (verdict.new_tokens), when the start asked
+    pass_rows: int = 0  # rows of the target pass this step rode in, other sequences' included (0: unknown)
 
 
 class TargetSide(Protocol):
@@ -322,6 +323,7 @@ class LocalTarget:
             step = self._step(verdict, self._context(start, out, path), t0)
         if self.logprobs is not None:  # token k was scored by the row of the path node before it
             step.logprobs = token_logprobs(out.logits[path], verdict.new_tokens, self.logprobs)
+        step.pass_rows = out.pass_rows or len(scored)
         return step
 
 

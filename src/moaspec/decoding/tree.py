@@ -58,6 +58,7 @@ class DraftSampling:
 MAX_DEPTH = 32  # draft steps: each is a sequential drafter call
 MAX_TOPK = 64  # children per expanded node: each step scores topk x topk candidates
 ADAPTIVE_MAX_DEPTH = 8  # levels of an adaptive chain unless given
+LOAD_ROWS = 256  # other sequences' rows in a pass that an adaptive chain prices its rows against, at most
 MAX_TREE_TOKENS = 256  # draft tokens per target pass (its rows, the root aside)
 
 
@@ -198,17 +199,24 @@ def tree_for_costs(cost_ms: dict[int, float], budget: float = 1.5, branching: bo
     return TreeConfig(depth=depth, topk=topk, total_tokens=total)
 
 
-def row_cost_ratios(cost_ms: dict[int, float], rows: int) -> list[float]:
+def row_cost_ratios(cost_ms: dict[int, float], rows: int, extrapolate: bool = False) -> list[float]:
     """The cost of a target pass over 1..rows rows as a multiple of a 1-row pass (element k - 1 for k
-    rows), linear between the measured row counts and flat past the last."""
+    rows), linear between the measured row counts and past the last flat or, with `extrapolate`, on the
+    slope of the last two (a pass of many rows is compute-bound: its cost grows with every row)."""
     if 1 not in cost_ms:
         raise ValueError("the cost of a 1-row pass is the reference: measure k = 1")
     ks = sorted(cost_ms)
+    slope = 0.0
+    if extrapolate and len(ks) > 1:
+        slope = max(0.0, (cost_ms[ks[-1]] - cost_ms[ks[-2]]) / (ks[-1] - ks[-2]))
     out = []
     for k in range(1, rows + 1):
         lo = max(x for x in ks if x <= k)
         hi = min((x for x in ks if x >= k), default=lo)
-        ms = cost_ms[lo] if hi == lo else cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
+        if hi == lo:
+            ms = cost_ms[lo] + slope * (k - lo)
+        else:
+            ms = cost_ms[lo] + (cost_ms[hi] - cost_ms[lo]) * (k - lo) / (hi - lo)
         out.append(ms / cost_ms[1])
     return out
 
@@ -225,7 +233,13 @@ class AdaptiveChain:
     The cost of a call is the network's share of it (what the call took beyond the target's own time:
     zero in one process, the round trip to a remote target) plus the target's pass over d x width + 1
     rows (the calibrated cost per row count, scaled to the pass time seen live) plus d draft steps at
-    their live time. So a long round trip makes longer drafts pay. Where no length is expected to beat a
+    their live time. So a long round trip makes longer drafts pay. Where other sequences' rows share the
+    pass (a batched server: R rows as seen in recent passes, yielding N = R x this sequence's tokens per
+    row), the length is the one with the most tokens per millisecond for the whole pass:
+    (N + expected) / cost(R + d x width + 1), against (N + 1) / cost(R + 1) for a plain step. Alone, N = R
+    = 0 and this is the rule above; under load a pass past a few rows is compute-bound, every draft row
+    costs about what another sequence's token does, and the chain shortens, to plain steps where drafts
+    would lower the aggregate. Where no length is expected to beat a
     plain step (1 token for the pass over one row: drafts rarely match, or this weight mode's extra rows
     are dear), it drafts nothing, trying the best length once every `PROBE_EVERY` calls so that acceptance
     stays measured and a text that turns repetitive is noticed (`floor=1`: always at least one level)."""
@@ -241,7 +255,10 @@ class AdaptiveChain:
         if floor not in (0, 1):
             raise ValueError(f"an adaptive tree's floor is 0 or 1 levels, got {floor}")
         self.max_depth, self.decay, self.width, self.floor = max_depth, decay, width, floor
-        self.rel = row_cost_ratios(verify_ms, max_depth * width + 1)
+        self.rel = row_cost_ratios(verify_ms, LOAD_ROWS + max_depth * width + 1, extrapolate=True)
+        # rows of other sequences in this sequence's recent passes (a batched server's load, which outlives
+        # a generation: not reset with the text's statistics), and the tokens a verified row yields
+        self.others, self.yield_ = 0.0, 1.0
         self.reset()
 
     def reset(self) -> None:
@@ -252,18 +269,23 @@ class AdaptiveChain:
         self.net_ms = 0.0  # a call's time beyond the target's pass (the round trip, for a remote target)
         self.idle = 0  # calls in a row that drafted nothing
 
+    def _pass_ms(self, rows: int) -> float:
+        """ms of a pass over this sequence's `rows` and the others' (alone: its own)."""
+        return self.net_ms + self.pass_ms * self.rel[min(round(self.others), LOAD_ROWS) + rows - 1]
+
     def choose(self) -> int:
         if self.step_ms is None or self.pass_ms is None:
             return min(3, self.max_depth)  # nothing measured yet: a middle length
+        others = round(self.others) * self.yield_  # the tokens the other sequences' rows give in the same pass
         best, best_rate, expected, reach, a = 1, 0.0, 1.0, 1.0, 0.5
         for d in range(1, self.max_depth + 1):
             a = (self.hits[d - 1] + 2 * a) / (self.offered[d - 1] + 2)  # prior: the depth above's rate
             reach *= a
             expected += reach
-            rate = expected / (self.net_ms + self.pass_ms * self.rel[d * self.width] + d * self.step_ms)
+            rate = (others + expected) / (self._pass_ms(d * self.width + 1) + d * self.step_ms)
             if rate > best_rate:
                 best, best_rate = d, rate
-        if self.floor == 0 and best_rate < 1.0 / (self.net_ms + self.pass_ms):
+        if self.floor == 0 and best_rate < (others + 1.0) / self._pass_ms(1):
             self.idle += 1
             if self.idle % self.PROBE_EVERY:
                 return 0
@@ -272,15 +294,20 @@ class AdaptiveChain:
         return best
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-               target_s: float | None = None, rows: int | None = None) -> None:
+               target_s: float | None = None, rows: int | None = None, pass_rows: int | None = None) -> None:
         """After a call that verified `drafted` levels of draft tokens (`rows` tokens in all; default: a
         chain's) and accepted `accepted` of them in `verify_s`, of which the target's own pass took
-        `target_s` (default: all of it). A call that drafted nothing updates the pass and network times."""
+        `target_s` (default: all of it); `pass_rows`: the rows of that pass, other sequences' included
+        (default: this call's own, rows + 1). A call that drafted nothing updates the pass and network times."""
         rows = drafted if rows is None else rows
+        whole = rows + 1 if pass_rows is None else max(pass_rows, rows + 1)
+        self.others = 0.8 * self.others + 0.2 * (whole - rows - 1)
+        self.yield_ = 0.9 * self.yield_ + 0.1 * (min(accepted, rows) + 1) / (rows + 1)
+        scale = self.rel[min(whole, len(self.rel)) - 1]  # the pass over `whole` rows, in 1-row passes
         if drafted <= 0:
             if self.pass_ms is not None:
                 target_s = verify_s if target_s is None else min(target_s, verify_s)
-                self.pass_ms = 0.8 * self.pass_ms + 0.2 * target_s * 1e3
+                self.pass_ms = 0.8 * self.pass_ms + 0.2 * target_s * 1e3 / scale
                 self.net_ms = 0.8 * self.net_ms + 0.2 * (verify_s - target_s) * 1e3
             return
         self.offered = [x * self.decay for x in self.offered]
@@ -290,7 +317,7 @@ class AdaptiveChain:
             self.offered[j] += 1
             self.hits[j] += j < accepted
         target_s = verify_s if target_s is None else min(target_s, verify_s)
-        step, pass_ = draft_s * 1e3 / drafted, target_s * 1e3 / self.rel[min(rows, len(self.rel) - 1)]
+        step, pass_ = draft_s * 1e3 / drafted, target_s * 1e3 / scale
         net = (verify_s - target_s) * 1e3
         ema = 0.8
         first = self.step_ms is None

@@ -403,6 +403,7 @@ class Layer:
 class ForwardOut:
     logits: torch.Tensor | None  # [n_rows_asked, vocab]
     hidden: dict[int, torch.Tensor]  # layer index -> input of that layer [n, D]; num_layers -> final normed
+    pass_rows: int = 0  # the rows of the whole pass these came from, other sequences' included (0: these alone)
 
 
 class KVCache:

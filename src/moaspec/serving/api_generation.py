@@ -38,7 +38,7 @@ from moaspec.serving.api_requests import (
     _Request,
     generation_error,
 )
-from moaspec.serving.metrics import Rate, ServerCollector, prefix_gauges, registry
+from moaspec.serving.metrics import Rate, ServerCollector, Speculation, prefix_gauges, registry
 from moaspec.serving.runner import in_worker
 from moaspec.serving.tool_calls import ToolFormat, check_tools, tool_format
 
@@ -130,6 +130,7 @@ class Generations:
         self.drafters, self.weight_modes = self._offer()
         self.threads = anyio.CapacityLimiter(lim.parallel + 4)
         self.tokens = Rate()
+        self.speculation = Speculation()
         self.registry = registry(ServerCollector(self.scheduler, self.tokens, self._gauges)) \
             if self.scheduler is not None else None
         self._longest_token: int | None = None
@@ -143,7 +144,7 @@ class Generations:
                 "moaspec_kv_budget_bytes": ("KV-cache memory for generations", a.budget),
                 "moaspec_sessions": ("decoders held (one per generation that ran at once)",
                                      sum(map(len, self.idle.values())) + a.holders),
-                **prefix_gauges(self.prefix)}
+                **self.speculation.gauges(), **prefix_gauges(self.prefix)}
 
     def _offer(self) -> tuple[list[str], list[str]]:
         """The drafters and weight modes a request may ask for (`drafter`, `weights`): the drafters ready for
@@ -413,6 +414,7 @@ class Generations:
         def generation() -> bool:
             """The rounds, each sent to `queue` as it is verified; whether the generation ran to its end."""
             it = fork.stream(job.ids, job.cfg, pieces=job.pieces)
+            before = fork.engine.metrics  # the last generation's, until this one starts
             try:
                 with torch.no_grad():
                     for d in it:
@@ -426,6 +428,8 @@ class Generations:
                 return True
             finally:
                 it.close()  # the engine tells its target: the scheduler stops waiting for it
+                if fork.engine.metrics is not before:
+                    self.speculation.add(fork.engine.metrics)
 
         try:
             fork = await in_worker(self.fork, job, limiter=self.threads)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from moaspec.decoding.engine import Metrics
 from moaspec.decoding.prefix_cache import PrefixCache
 from moaspec.decoding.scheduler import ROW_BUCKETS, Scheduler
 
@@ -35,6 +36,29 @@ class Rate:
         while self.events and self.events[0][0] < now - self.window_s:
             self.events.popleft()
         return sum(n for _, n in self.events) / self.window_s
+
+
+class Speculation:
+    """What speculation did over the finished generations: target calls, draft rows sent to verification and
+    accepted. Their ratios are the tau and tree size an operator watches (under load an adaptive tree drafts
+    less: `decoding.tree.AdaptiveChain`)."""
+
+    def __init__(self) -> None:
+        self.calls = self.drafted = self.accepted = 0
+
+    def add(self, m: Metrics) -> None:
+        self.calls += m.target_calls
+        self.drafted += m.drafted_tokens
+        self.accepted += sum(m.accept_lengths) - m.target_calls
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        return {"moaspec_target_calls": ("verification passes of finished generations", self.calls),
+                "moaspec_draft_tokens": ("draft tokens sent to verification", self.drafted),
+                "moaspec_draft_tokens_accepted": ("draft tokens accepted", self.accepted),
+                "moaspec_tau": ("tokens per verification pass (1 + accepted drafts)",
+                                1 + self.accepted / self.calls if self.calls else 0.0),
+                "moaspec_draft_rows_per_call": ("draft tokens per verification pass: the trees' mean size",
+                                                self.drafted / self.calls if self.calls else 0.0)}
 
 
 def _histogram(name: str, doc: str, counts: dict, buckets: tuple, total: float) -> HistogramMetricFamily:
