@@ -448,9 +448,10 @@ def test_disturbed_calibration_is_measured_again_and_never_cached(dec_none, tmp_
     assert plausible_costs(slow_single, clamp=True) == {1: 60.3, 2: 60.3, 4: 74.1, 8: 133.1}
 
 
-def _drive(chain: AdaptiveChain, calls: int, accept: float, step_ms: float = 1.0, pass_ms: float = 10.0) -> list[int]:
+def _drive(chain: AdaptiveChain, calls: int, accept: float, step_ms: float = 1.0, pass_ms: float = 10.0,
+           others: int = 0) -> list[int]:
     """Feed `calls` target calls where each draft is accepted with chance `accept` (deterministic
-    pattern); returns the lengths chosen."""
+    pattern), each pass carrying `others` rows of other sequences; returns the lengths chosen."""
     chosen, credit = [], 0.0
     for _ in range(calls):
         d = chain.choose()
@@ -463,7 +464,8 @@ def _drive(chain: AdaptiveChain, calls: int, accept: float, step_ms: float = 1.0
             credit -= 1
             n += 1
         rows = d * chain.width
-        chain.update(d, n, d * step_ms / 1e3, pass_ms * chain.rel[rows] / 1e3, rows=rows)
+        chain.update(d, n, d * step_ms / 1e3, pass_ms * chain.rel[rows + others] / 1e3, rows=rows,
+                     pass_rows=rows + 1 + others)
     return chosen
 
 
@@ -501,21 +503,8 @@ def test_adaptive_chain_drafts_less_where_other_sequences_fill_the_pass():
     shortens, to plain steps where drafts do not pay for the aggregate (issue 53: `auto` never below plain)."""
     cpu = {1: 10.0, 2: 10.5, 4: 12.0, 8: 20.0, 16: 36.0, 32: 68.0}  # compute-bound past a few rows
 
-    def drive(others: int, accept: float, calls: int = 60) -> list[int]:
-        chain, credit, chosen = AdaptiveChain(cpu, 8), 0.0, []
-        for _ in range(calls):
-            d = chain.choose()
-            chosen.append(d)
-            n = 0
-            while n < d:
-                credit += accept
-                if credit < 1:
-                    break
-                credit -= 1
-                n += 1
-            whole = d + 1 + others  # the pass over this sequence's rows and the others'
-            chain.update(d, n, d * 1e-4, 10.0 * chain.rel[whole - 1] / 1e3, rows=d, pass_rows=whole)
-        return chosen
+    def drive(others: int, accept: float) -> list[int]:
+        return _drive(AdaptiveChain(cpu, 8), 60, accept, step_ms=0.1, others=others)
 
     alone, busy = drive(0, 0.7), drive(56, 0.7)
     assert sum(alone[-20:]) / 20 >= 2  # alone: drafts of a few tokens pay

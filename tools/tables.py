@@ -41,16 +41,18 @@ def _pair(ours: dict, theirs: dict, key: str) -> str:
 
 
 # ------------------------------------------------------------------ experiments.footprint
+def _sides(runs: tuple[str, ...]) -> list[tuple[str, dict, dict]]:
+    """(file, our medians, llama.cpp's medians) of each footprint run."""
+    return [(r["model"], r["median"]["moaspec"], r["median"]["llama.cpp"]) for r in map(_json, runs)]
+
+
 def footprint(*runs: str) -> str:
     """Per file: load, peak RSS (llama.cpp mapped and --no-mmap), prefill and decode, ours / llama.cpp."""
     lines = ["| model (file) | load s | peak RSS MB: ours / llama.cpp mmap / no mmap (x mmap, x no mmap) | "
              "prefill tok/s | decode tok/s |", "|---|---|---|---|---|"]
-    for run in runs:
-        r = _json(run)
-        o, ll = r["median"]["moaspec"], r["median"]["llama.cpp"]
-
+    for model, o, ll in _sides(runs):
         rss, mapped, anon = o["peak_rss_mb"], ll["peak_rss_mb"], ll["peak_rss_no_mmap_mb"]
-        lines.append(f"| {r['model']} ({o['weights']}) | {o['load_s']:.1f} / {ll['load_s']:.1f} | "
+        lines.append(f"| {model} ({o['weights']}) | {o['load_s']:.1f} / {ll['load_s']:.1f} | "
                      f"{rss:.0f} / {mapped:.0f} / {anon:.0f} ({_x(rss, mapped)}, {_x(rss, anon)}) | "
                      f"{_pair(o, ll, 'prefill_tok_s')} | {_pair(o, ll, 'decode_tok_s')} |")
     return "\n".join(lines)
@@ -59,11 +61,10 @@ def footprint(*runs: str) -> str:
 def passes(*runs: str) -> str:
     """A k-row pass as a multiple of the same side's 1-row pass (medians of the same number of timings)."""
     lines = ["| model | 1 row, ms | 2 rows | 4 | 8 | 16 |", "|---|---|---|---|---|---|"]
-    for run in runs:
-        r = _json(run)
-        o, ll = r["median"]["moaspec"]["pass_ms"], r["median"]["llama.cpp"]["pass_ms"]
+    for model, ours, theirs in _sides(runs):
+        o, ll = ours["pass_ms"], theirs["pass_ms"]
         cells = [f"{o['1']:.1f} / {ll['1']:.1f}"] + [f"{o[k] / o['1']:.2f}x / {ll[k] / ll['1']:.2f}x" for k in KS[1:]]
-        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -71,11 +72,9 @@ def headline(*runs: str) -> str:
     """The README's one-GGUF table: ratios to llama.cpp, with our figure."""
     lines = ["| one GGUF, here vs llama.cpp | peak RSS (x llama.cpp mmap / no mmap) | prefill, 512 tokens | "
              "decode after 512 tokens | 8-row pass / 1-row pass |", "|---|---|---|---|---|"]
-    for run in runs:
-        r = _json(run)
-        o, ll = r["median"]["moaspec"], r["median"]["llama.cpp"]
+    for model, o, ll in _sides(runs):
         p, q = o["pass_ms"], ll["pass_ms"]
-        lines.append(f"| {r['model']} | {_x(o['peak_rss_mb'], ll['peak_rss_mb'])} / "
+        lines.append(f"| {model} | {_x(o['peak_rss_mb'], ll['peak_rss_mb'])} / "
                      f"{_x(o['peak_rss_mb'], ll['peak_rss_no_mmap_mb'])} ({o['peak_rss_mb'] / 1024:.2f} GB) | "
                      f"{_x(o['prefill_tok_s'], ll['prefill_tok_s'])} ({o['prefill_tok_s']:.0f} tok/s) | "
                      f"{_x(o['decode_tok_s'], ll['decode_tok_s'])} ({o['decode_tok_s']:.1f} tok/s) | "
